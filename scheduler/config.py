@@ -1,0 +1,74 @@
+"""The scheduler process's configuration: one frozen dataclass, validated at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VALID_BLOCK_SIZES = (8, 16, 32)
+MAX_INFLIGHT_LIMIT = 4
+
+
+class ConfigError(ValueError):
+    """A flag has a bad value; the message names the flag and the allowed range."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    model: str
+    host: str = "localhost"
+    port: int = 50051
+    worker_address: str = ""
+    num_workers: int = 1
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    max_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    prefill_chunk: int = 512
+    max_inflight: int = 2
+    max_queued_requests: int = 1024
+    default_max_tokens: int = 256
+    shutdown_grace_s: float = 10.0
+    worker_ready_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
+        _check(
+            self.num_workers == 1,
+            "--num-workers",
+            self.num_workers,
+            "1 (data-parallel groups are not built yet)",
+        )
+        _check(self.block_size in VALID_BLOCK_SIZES, "--block-size", self.block_size, "one of 8, 16, 32")
+        _check(self.num_kv_blocks >= 0, "--num-kv-blocks", self.num_kv_blocks, ">= 0 (0 = as many as fit)")
+        _check(self.max_batched_tokens >= 1, "--max-batched-tokens", self.max_batched_tokens, ">= 1")
+        _check(self.max_num_seqs >= 1, "--max-num-seqs", self.max_num_seqs, ">= 1")
+        _check(self.prefill_chunk >= 1, "--prefill-chunk", self.prefill_chunk, ">= 1")
+        _check(
+            1 <= self.max_inflight <= MAX_INFLIGHT_LIMIT,
+            "--max-inflight",
+            self.max_inflight,
+            f"1..{MAX_INFLIGHT_LIMIT}",
+        )
+        _check(self.max_queued_requests >= 1, "--max-queued-requests", self.max_queued_requests, ">= 1")
+        _check(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
+        _check(self.shutdown_grace_s >= 0, "--shutdown-grace", self.shutdown_grace_s, ">= 0")
+        _check(
+            self.worker_address.startswith(("ipc://", "tcp://")),
+            "--worker-address",
+            self.worker_address,
+            "an ipc:// or tcp:// address",
+        )
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def prefill_token_budget(self) -> int:
+        """Tokens one prefill chunk may take in a step."""
+        return min(self.prefill_chunk, self.max_batched_tokens)
+
+
+def _check(ok: bool, flag: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag}={value!r} is invalid: allowed {allowed}")

@@ -1,0 +1,94 @@
+"""One generation request as the scheduler tracks it, and the events it streams."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from protos import inference_pb2, worker_pb2
+from scheduler.detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(enum.Enum):
+    STOP = inference_pb2.FINISH_REASON_STOP
+    LENGTH = inference_pb2.FINISH_REASON_LENGTH
+    ABORTED = inference_pb2.FINISH_REASON_ABORTED
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # in the prefill queue (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds KV blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParams:
+    """Validated per-request generation parameters."""
+
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    sampling: worker_pb2.SamplingParams = field(default_factory=worker_pb2.SamplingParams)
+
+
+@dataclass(slots=True)
+class OutputEvent:
+    """What a request produced since its previous event; `finish_reason` marks the last one.
+
+    `error` (a gRPC status code name and message) ends the request without a result.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: tuple[str, str] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: RequestParams
+    detokenizer: IncrementalDetokenizer
+    events: asyncio.Queue[OutputEvent]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    # Tokens whose K/V sit in the cache; the rest of prompt + output is still to compute.
+    num_computed_tokens: int = 0
+    # How many of the block table's entries the worker has been sent.
+    num_blocks_sent: int = 0
+    on_worker: bool = False  # the worker holds this sequence's state
+    in_flight: bool = False  # part of a batch the worker has not answered yet
+    aborted: bool = False
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed_tokens >= self.prompt_len and self.num_uncomputed_tokens == 1
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def emit(self, event: OutputEvent) -> None:
+        self.events.put_nowait(event)
