@@ -1,0 +1,109 @@
+"""The "torch" attention backend: paged KV write plus attention built on scaled_dot_product_attention.
+
+Invariant relied on everywhere: a step first writes its own K/V into the cache (by
+`slot_mapping`), then attends, so cached prefixes and this step's tokens are read alike.
+Grouped-query attention never materialises repeated K/V: for decodes the G query heads that
+share a KV head are laid along SDPA's query-length axis; prefill uses SDPA's `enable_gqa`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys/values ([T, Hkv, D]) into the paged caches ([blocks, block_size, Hkv, D])."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+class TorchPagedAttention:
+    """CPU/reference paged attention. Holds a gather workspace, so one forward at a time per instance."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        assert num_heads % num_kv_heads == 0, f"{num_heads=} is not a multiple of {num_kv_heads=}"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        # Reused across layers and steps: allocating tens of MB per layer costs more than the
+        # attention itself on CPU (fresh pages fault in on every step).
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H * D]
+        """Write K/V for the step's tokens, then attend each token to its sequence's context."""
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = q.new_empty(q.shape)  # [T, H, D]
+        if batch.decode is not None:
+            num = batch.decode.num_seqs
+            out[:num] = self._decode(q[:num], k_cache, v_cache, batch.decode)
+        for chunk in batch.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
+        return out.view(q.shape[0], -1)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
+    ) -> torch.Tensor:  # [D, H, Dh]
+        num, length = meta.num_seqs, meta.max_context
+        k_buf, v_buf = self._gather_buffers(num * length, k_cache)
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        torch.index_select(k_flat, 0, meta.key_slots, out=k_buf)  # [D * L, Hkv, Dh]
+        torch.index_select(v_flat, 0, meta.key_slots, out=v_buf)
+        keys = k_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [D, Hkv, L, Dh]
+        values = v_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # q head h uses kv head h // G, so [D, H, Dh] → [D, Hkv, G, Dh] puts each group on the query axis.
+        queries = q.reshape(num, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.key_mask
+        )  # [D, Hkv, G, Dh]
+        return out.reshape(num, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,  # [Tq, H, Dh]
+        k: torch.Tensor,  # [Tq, Hkv, Dh]
+        v: torch.Tensor,  # [Tq, Hkv, Dh]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PrefillAttention,
+    ) -> torch.Tensor:  # [Tq, H, Dh]
+        queries = q.transpose(0, 1)  # [H, Tq, Dh]
+        if meta.key_slots is None:  # no cached prefix: this step's K/V are the whole context
+            out = F.scaled_dot_product_attention(
+                queries, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            )
+        else:
+            k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            keys = k_flat.index_select(0, meta.key_slots).transpose(0, 1)  # [Hkv, C, Dh]
+            values = v_flat.index_select(0, meta.key_slots).transpose(0, 1)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        return out.transpose(0, 1)  # [Tq, H, Dh]
+
+    def _gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < rows or ws[0].dtype != like.dtype or ws[0].device != like.device:
+            # Grow geometrically: decode contexts lengthen by one token per step.
+            grown = rows if ws is None else max(rows, ws[0].shape[0] * 3 // 2)
+            shape = (grown, self.num_kv_heads, self.head_dim)
+            ws = (like.new_empty(shape), like.new_empty(shape))
+            self._workspace = ws
+        return ws[0][:rows], ws[1][:rows]

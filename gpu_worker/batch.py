@@ -1,0 +1,188 @@
+"""One forward step's inputs: scheduled chunks → flat token tensors plus attention metadata.
+
+Token order inside a ForwardBatch: first every single-token chunk (decodes, attended together in
+one call), then each multi-token chunk (prefill, one attention call each). Logits rows still come
+back in the order of the caller's chunks (those with `needs_logits`), via `logits_indices`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One sequence's part of a step."""
+
+    token_ids: Sequence[int]  # the tokens computed in this step (their K/V is written to the cache)
+    start_position: int  # position of token_ids[0] = number of tokens already in the cache
+    block_table: Sequence[int]  # all the sequence's KV block ids, covering start_position + len(token_ids)
+    needs_logits: bool  # True when the chunk ends at the sequence's newest token (sample after it)
+
+
+@dataclass(slots=True)
+class DecodeAttention:
+    """The single-query sequences (batch rows [0, num_seqs)), attended in one padded call."""
+
+    num_seqs: int  # D
+    max_context: int  # L: the longest context among them, this step's token included
+    key_slots: (
+        torch.Tensor
+    )  # [D * L] int64: cache slot of key j of row i at i * L + j (padding → slot of block 0)
+    key_mask: torch.Tensor  # [D, 1, 1, L] bool: True where j < context length of row i
+
+
+@dataclass(slots=True)
+class PrefillAttention:
+    """One multi-token chunk: causal within itself, full attention to its cached prefix."""
+
+    token_start: int  # first batch row of the chunk
+    num_tokens: int  # Tq
+    start_position: int  # P: tokens of the sequence already cached before this step
+    key_slots: torch.Tensor | None  # [P + Tq] int64 slots of positions 0..P+Tq-1; None when P == 0
+    mask: torch.Tensor | None  # [Tq, P + Tq] bool: key j visible to query i iff j <= P + i; None when P == 0
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Device tensors for one step; N sequences, T tokens, S of them needing logits."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) each token's K/V goes to
+    logits_indices: torch.Tensor  # [S] int64 batch rows, in the order of the chunks with needs_logits
+    query_start_loc: torch.Tensor  # [N + 1] int32: sequence n owns rows [q[n], q[n + 1])
+    context_lens: torch.Tensor  # [N] int32: start_position + chunk length
+    block_tables: torch.Tensor  # [N, max_blocks] int32, padded with block 0
+    chunk_order: tuple[int, ...]  # batch sequence n is caller chunk chunk_order[n]
+    block_size: int
+    decode: DecodeAttention | None
+    prefills: tuple[PrefillAttention, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_indices.shape[0])
+
+
+def build_forward_batch(
+    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str
+) -> ForwardBatch:
+    """Flatten `chunks` (any order, prefill and decode mixed) into one step's tensors on `device`."""
+    assert chunks, "a forward batch needs at least one chunk"
+    assert block_size > 0, f"block_size must be positive, got {block_size}"
+    num_seqs = len(chunks)
+    lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=num_seqs)
+    starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=num_seqs)
+    assert (lens > 0).all(), f"empty chunk at index {int(np.argmin(lens))}"
+    assert (starts >= 0).all(), f"negative start_position at index {int(np.argmin(starts))}"
+    is_decode = lens == 1
+    # Stable: decodes first, then prefills, each group in the caller's order.
+    order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+    num_decodes = int(is_decode.sum())
+
+    lens_o, starts_o = lens[order], starts[order]
+    ctx_o = starts_o + lens_o  # [N]
+    query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(lens_o, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+
+    table_lens = np.fromiter((len(chunks[i].block_table) for i in order), dtype=np.int64, count=num_seqs)
+    short = np.flatnonzero(table_lens * block_size < ctx_o)
+    assert short.size == 0, (
+        f"chunk {int(order[short[0]])}: block_table covers {int(table_lens[short[0]]) * block_size} slots "
+        f"but the chunk reaches position {int(ctx_o[short[0]])}"
+    )
+    tables = np.zeros((num_seqs, max(int(table_lens.max()), 1)), dtype=np.int64)  # [N, max_blocks]
+    for row, i in enumerate(order):
+        tables[row, : table_lens[row]] = chunks[i].block_table
+
+    token_ids = np.concatenate([np.asarray(chunks[i].token_ids, dtype=np.int64) for i in order])  # [T]
+    seq_of_token = np.repeat(np.arange(num_seqs), lens_o)  # [T]
+    positions = starts_o[seq_of_token] + (np.arange(num_tokens) - query_start[:-1][seq_of_token])  # [T]
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size  # [T]
+
+    rank = np.empty(num_seqs, dtype=np.int64)
+    rank[order] = np.arange(num_seqs)  # rank[chunk] = its batch sequence index
+    wants = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=num_seqs)
+    logits_rows = query_start[1:][rank[wants]] - 1  # [S] last token of each chunk needing logits
+
+    def put(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return _to_device(array, device, dtype)
+
+    decode = None
+    if num_decodes:
+        decode = _decode_attention(tables[:num_decodes], ctx_o[:num_decodes], block_size, device)
+    prefills = tuple(
+        _prefill_attention(
+            int(query_start[n]), int(lens_o[n]), int(starts_o[n]), tables[n], block_size, device
+        )
+        for n in range(num_decodes, num_seqs)
+    )
+    return ForwardBatch(
+        input_ids=put(token_ids),
+        positions=put(positions),
+        slot_mapping=put(slots),
+        logits_indices=put(logits_rows),
+        query_start_loc=put(query_start, torch.int32),
+        context_lens=put(ctx_o, torch.int32),
+        block_tables=put(tables, torch.int32),
+        chunk_order=tuple(int(i) for i in order),
+        block_size=block_size,
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+def _to_device(array: np.ndarray, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+
+
+def _slots_of_positions(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Slots of `positions` ([..., L]) through block table rows `table` ([..., max_blocks])."""
+    blocks = np.take_along_axis(table, positions // block_size, axis=-1)
+    return blocks * block_size + positions % block_size
+
+
+def _decode_attention(
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int, device: torch.device | str
+) -> DecodeAttention:
+    num, max_context = len(context_lens), int(context_lens.max())
+    key_pos = np.broadcast_to(np.arange(max_context), (num, max_context))  # [D, L]
+    key_slots = _slots_of_positions(tables, key_pos, block_size)  # [D, L]
+    key_mask = key_pos < context_lens[:, None]  # [D, L]
+    return DecodeAttention(
+        num_seqs=num,
+        max_context=max_context,
+        key_slots=_to_device(key_slots.reshape(-1), device, torch.int64),
+        key_mask=_to_device(key_mask.reshape(num, 1, 1, max_context), device, torch.bool),
+    )
+
+
+def _prefill_attention(
+    token_start: int,
+    num_tokens: int,
+    start: int,
+    table: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> PrefillAttention:
+    if start == 0:
+        return PrefillAttention(token_start, num_tokens, 0, key_slots=None, mask=None)
+    context = start + num_tokens
+    key_pos = np.arange(context)  # [C]
+    mask = key_pos[None, :] <= (start + np.arange(num_tokens))[:, None]  # [Tq, C]
+    return PrefillAttention(
+        token_start,
+        num_tokens,
+        start,
+        key_slots=_to_device(_slots_of_positions(table, key_pos, block_size), device, torch.int64),
+        mask=_to_device(mask, device, torch.bool),
+    )

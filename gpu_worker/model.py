@@ -1,0 +1,203 @@
+"""Llama-family decoder over a paged KV cache (SmolLM, Llama 2/3, Mistral-style GQA, Qwen2 qkv bias).
+
+Weights are stored fused: q/k/v as one [(H + 2 Hkv) * Dh, hidden] matrix and gate/up as one
+[2 * ffn, hidden] matrix, so each layer runs four matmuls. Only the rows named by
+`batch.logits_indices` go through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.batch import ForwardBatch
+from gpu_worker.loader import ModelConfig
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32 and cast back, as the reference Llama implementation does."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_param((size,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [Dh / 2] float32
+    """Rotary inverse frequencies, with Llama 3 frequency scaling applied when configured."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [T, 1, Dh / 2]
+    """cos/sin of position * frequency, computed in float32 then cast (shared by every layer)."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, Dh / 2]
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, heads, Dh]
+    """Rotate the half-split pairs (x[j], x[j + Dh/2]) by their angles (HF "rotate_half" layout)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, heads, Dh / 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block and SwiGLU MLP block, each with a residual connection."""
+
+    def __init__(
+        self, config: ModelConfig, attention: TorchPagedAttention, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.attention = attention
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.qkv_weight = _empty_param((self.q_size + 2 * self.kv_size, h), dtype, device)
+        self.qkv_bias = (
+            _empty_param((self.q_size + 2 * self.kv_size,), dtype, device) if config.attention_bias else None
+        )
+        self.o_weight = _empty_param((h, self.q_size), dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        self.gate_up_weight = _empty_param((2 * config.intermediate_size, h), dtype, device)
+        self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, Dh / 2]
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
+        return hidden + self._mlp(self.post_attention_layernorm(hidden))
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) * Dh]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
+        k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, Dh]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)  # strided view into qkv; index_copy_ handles it
+        out = self.attention(q, k, v, kv_cache, batch)  # [T, H * Dh]
+        return F.linear(out, self.o_weight)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, ffn] each
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM whose forward reads and writes a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        device = torch.device(device)
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {dtype} is unsupported; choose one of {SUPPORTED_DTYPES}")
+        if dtype == torch.float16 and device.type != "cuda":
+            raise ValueError("dtype float16 needs a CUDA device; use float32 or bfloat16 on CPU")
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.attention = TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.embed_tokens = _empty_param((config.vocab_size, config.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.attention, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _empty_param((config.vocab_size, config.hidden_size), dtype, device)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.attention.name
+
+    @torch.inference_mode()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors (as returned by `load_model`) into the fused parameters."""
+
+        def take(name: str) -> torch.Tensor:
+            assert name in state_dict, f"weight {name!r} missing from the state dict"
+            return state_dict[name]
+
+        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if not self.config.tie_word_embeddings:
+            self.lm_head.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            attn = ("q_proj", "k_proj", "v_proj")
+            layer.qkv_weight.copy_(torch.cat([take(f"{p}self_attn.{n}.weight") for n in attn]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([take(f"{p}self_attn.{n}.bias") for n in attn]))
+            layer.o_weight.copy_(take(p + "self_attn.o_proj.weight"))
+            layer.gate_up_weight.copy_(
+                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            )
+            layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:  # [S, vocab] float32
+        """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only."""
+        assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions, self.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, batch)
+        hidden = hidden.index_select(0, batch.logits_indices)  # [S, hidden]
+        return F.linear(self.norm(hidden), self.lm_head).float()  # [S, vocab]

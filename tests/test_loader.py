@@ -1,0 +1,168 @@
+"""Model loading: GGUF metadata, HF directories (single and sharded), and errors that name the culprit."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from gpu_worker.loader import (
+    ModelConfig,
+    ModelLoadError,
+    expected_shapes,
+    find_default_model,
+    load_config,
+    load_model,
+)
+
+TINY_HF_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": [2, 3],
+}
+
+
+def _write_hf_dir(folder: Path, drop: str | None = None, shards: int = 1) -> dict[str, torch.Tensor]:
+    (folder / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    config = load_config(folder)
+    tensors = {name: torch.randn(shape) for name, shape in expected_shapes(config).items()}
+    stored = {k: v.to(torch.bfloat16) for k, v in tensors.items() if k != drop}
+    names = sorted(stored)
+    if shards == 1:
+        save_file(stored, folder / "model.safetensors")
+        return tensors
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: stored[n] for n in part}, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_hf_directory_loads_every_tensor(tmp_path: Path, shards: int) -> None:
+    written = _write_hf_dir(tmp_path, shards=shards)
+    config, tensors = load_model(tmp_path)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 4)
+    assert config.eos_token_ids == (2, 3) and config.bos_token_id == 1 and not config.tie_word_embeddings
+    assert config.rope_scaling is None and not config.attention_bias
+    assert set(tensors) == set(written)
+    for name, tensor in tensors.items():
+        assert tensor.dtype == torch.float32
+        torch.testing.assert_close(tensor, written[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_hf_directory_missing_tensor_is_named(tmp_path: Path) -> None:
+    _write_hf_dir(tmp_path, drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        load_model(tmp_path)
+
+
+def test_hf_directory_misshapen_or_duplicate_tensor_is_named(tmp_path: Path) -> None:
+    _write_hf_dir(tmp_path, drop="model.norm.weight")
+    save_file({"model.norm.weight": torch.ones(17)}, tmp_path / "extra.safetensors")
+    with pytest.raises(ModelLoadError, match=r"'model\.norm\.weight' has shape \[17\], expected \[16\]"):
+        load_model(tmp_path)
+    save_file(
+        {"model.norm.weight": torch.ones(16), "lm_head.weight": torch.ones(32, 16)},
+        tmp_path / "extra.safetensors",
+    )
+    with pytest.raises(ModelLoadError, match=r"'lm_head\.weight' is also stored"):
+        load_model(tmp_path)
+
+
+def test_hf_config_missing_key_is_named(tmp_path: Path) -> None:
+    config = dict(TINY_HF_CONFIG)
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'hidden_size' is missing"):
+        load_model(tmp_path)
+
+
+def test_missing_and_corrupt_files_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.gguf"
+    with pytest.raises(ModelLoadError, match=re.escape(str(missing))):
+        load_model(missing)
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF but not really" * 10)
+    with pytest.raises(ModelLoadError, match=re.escape(str(corrupt))):
+        load_model(corrupt)
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load_model(tmp_path)  # a directory without config.json
+
+
+def test_default_gguf_config() -> None:
+    path = find_default_model()
+    assert path.suffix == ".gguf" and path.is_file()
+    config = load_config(path)
+    assert config == ModelConfig(
+        name="SmolLM2-135M-Instruct",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        context_length=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+
+
+@pytest.mark.slow
+def test_default_gguf_tensors() -> None:
+    config, tensors = load_model(find_default_model())
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected_shapes(config)
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert "lm_head.weight" not in tensors
+
+
+def test_kv_cache_layout() -> None:
+    config = ModelConfig(
+        name="t",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        rope_scaling=None,
+        context_length=32,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=None,
+        eos_token_ids=(),
+    )
+    caches = allocate_kv_cache(config, num_blocks=5, block_size=16, dtype=torch.bfloat16, device="cpu")
+    assert len(caches) == 3
+    assert all(k.shape == v.shape == (5, 16, 2, 2) and k.dtype == torch.bfloat16 for k, v in caches)
+    per_block = kv_cache_bytes_per_block(config, 16, torch.bfloat16)
+    assert per_block == 2 * 3 * 16 * 2 * 2 * 2
+    assert sum(k.nbytes + v.nbytes for k, v in caches) == 5 * per_block

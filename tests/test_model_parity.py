@@ -1,0 +1,226 @@
+"""Greedy parity with transformers: our paged, chunked, batched forward must pick the same tokens."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.loader import ModelConfig, find_default_model, load_model
+from gpu_worker.model import LlamaModel
+
+transformers = pytest.importorskip("transformers")
+
+
+@dataclass(slots=True)
+class _Sequence:
+    tokens: list[int]
+    prompt_len: int
+    share: tuple[int, int] | None = None  # (source sequence, full blocks borrowed from its prompt)
+    computed: int = 0  # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)
+    started: bool = False
+    done: bool = False
+
+
+class PagedHarness:
+    """A miniature scheduler: block allocator with ref counts, token budget, random chunking and order."""
+
+    def __init__(self, model: LlamaModel, config: ModelConfig, block_size: int, num_blocks: int) -> None:
+        self.model, self.block_size = model, block_size
+        self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, model.dtype, model.device)
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
+
+    def _allocate(self, seq: _Sequence, upto: int) -> None:
+        while len(seq.blocks) * self.block_size < upto:
+            block = self.free.pop()
+            self.refs[block] += 1
+            seq.blocks.append(block)
+
+    def _release(self, seq: _Sequence) -> None:
+        for block in seq.blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free.append(block)
+        seq.blocks = []
+
+    def _start(self, seqs: list[_Sequence], seq: _Sequence) -> bool:
+        if seq.share is not None:
+            source, num_blocks = seqs[seq.share[0]], seq.share[1]
+            if source.computed < num_blocks * self.block_size:
+                return False  # the prefix is not cached yet
+            seq.blocks = source.blocks[:num_blocks]
+            for block in seq.blocks:
+                self.refs[block] += 1
+            seq.computed = num_blocks * self.block_size
+        seq.started = True
+        return True
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seed: int,
+        token_budget: int = 48,
+        shares: dict[int, tuple[int, int]] | None = None,
+    ) -> list[list[int]]:
+        rng = random.Random(seed)
+        seqs = [_Sequence(list(p), len(p), (shares or {}).get(i)) for i, p in enumerate(prompts)]
+        while not all(s.done for s in seqs):
+            chunks, owners, budget = [], [], token_budget
+            # Running decodes first (as the real planner does), then prefill chunks, shuffled.
+            active = [s for s in seqs if not s.done and (s.started or self._start(seqs, s))]
+            active.sort(key=lambda s: len(s.tokens) - s.computed != 1)
+            for seq in active:
+                take = min(len(seq.tokens) - seq.computed, rng.randint(1, 13), budget)
+                if take <= 0:
+                    continue
+                budget -= take
+                self._allocate(seq, seq.computed + take)
+                chunks.append(
+                    ScheduledChunk(
+                        token_ids=seq.tokens[seq.computed : seq.computed + take],
+                        start_position=seq.computed,
+                        block_table=list(seq.blocks),
+                        needs_logits=seq.computed + take == len(seq.tokens),
+                    )
+                )
+                owners.append(seq)
+            order = list(range(len(chunks)))
+            rng.shuffle(order)
+            chunks, owners = [chunks[i] for i in order], [owners[i] for i in order]
+            batch = build_forward_batch(chunks, self.block_size, self.model.device)
+            logits = self.model(batch, self.kv_caches)  # [S, vocab]
+            picks = iter(logits.argmax(dim=-1).tolist())
+            for chunk, seq in zip(chunks, owners, strict=True):
+                seq.computed += len(chunk.token_ids)
+                if chunk.needs_logits:
+                    seq.tokens.append(next(picks))
+                    if len(seq.tokens) - seq.prompt_len == max_new_tokens:
+                        seq.done = True
+                        self._release(seq)
+        assert sorted(self.free) == list(range(len(self.refs))), "harness leaked blocks"
+        return [s.tokens[s.prompt_len :] for s in seqs]
+
+
+def _reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+TINY_VARIANTS = {
+    8: {},
+    16: {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
+    32: {"attention_bias": True, "tie_word_embeddings": True},
+}
+
+
+@pytest.mark.parametrize("block_size", sorted(TINY_VARIANTS))
+def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int) -> None:
+    torch.manual_seed(block_size)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.15,  # wide logits: no near-ties for float rounding to flip
+        **TINY_VARIANTS[block_size],
+    )
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    hf_model.save_pretrained(tmp_path)
+    config, weights = load_model(tmp_path)
+    assert config.attention_bias == hf_config.attention_bias
+    assert (config.rope_scaling is not None) == ("rope_scaling" in TINY_VARIANTS[block_size])
+    model = LlamaModel(config, torch.float32, "cpu")
+    model.load_weights(weights)
+
+    gen = torch.Generator().manual_seed(block_size)
+    lengths = [1, 3, 9, 17, 30, 41, 58, 64, 23]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    # The last prompt starts with the first two blocks of prompt 5, so it begins after a cached prefix.
+    shared = 2 * block_size if block_size < 32 else block_size
+    prompts[-1] = prompts[5][: min(shared, 41)] + prompts[-1]
+    shares = {len(prompts) - 1: (5, min(shared, 41) // block_size)}
+    max_new = 12
+
+    harness = PagedHarness(model, config, block_size, num_blocks=256 // block_size * 12)
+    ours = harness.generate(prompts, max_new, seed=block_size, shares=shares)
+    with torch.inference_mode():
+        expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
+    assert ours == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from the shipped GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Path, ModelConfig, LlamaModel]:
+    path = find_default_model()
+    config, weights = load_model(path)
+    model = LlamaModel(config, torch.float32, "cpu")
+    model.load_weights(weights)
+    return path, config, model
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers(smollm2: tuple[Path, ModelConfig, LlamaModel]) -> None:
+    path, config, model = smollm2
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"]
+        )
+        for text in CHAT_PROMPTS
+    ]
+    max_new = 32
+    with torch.inference_mode():
+        expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
+    harness = PagedHarness(model, config, block_size=16, num_blocks=64)
+    ours = harness.generate(prompts, max_new, seed=0, token_budget=64)
+    assert ours == expected, [tokenizer.decode(t) for t in ours + expected]

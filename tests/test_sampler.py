@@ -1,0 +1,133 @@
+"""Sampler semantics on small hand-made logits, with exact expectations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_worker.sampler import (
+    Sampler,
+    SamplingParams,
+    SamplingRow,
+    apply_penalties,
+    filtered_probs,
+)
+
+
+def _rows(params: list[SamplingParams], output: list[int] | None = None) -> list[SamplingRow]:
+    return [SamplingRow(p, prompt_token_ids=[], output_token_ids=list(output or [])) for p in params]
+
+
+def test_greedy_is_argmax_of_raw_logits() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    out = Sampler(seed=0).sample(logits, _rows([SamplingParams()] * 6))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 6
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 7.0])
+def test_top_k_one_is_greedy_at_any_temperature(temperature: float) -> None:
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=temperature, top_k=1)] * 8
+    sampler = Sampler(seed=1)
+    for _ in range(5):
+        assert sampler.sample(logits, _rows(params)).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    row = SamplingRow(
+        SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 1], output_token_ids=[1, 3]
+    )
+    scores = apply_penalties(logits, [row])
+    torch.testing.assert_close(scores, torch.tensor([[1.0, -2.0, 0.5, 1.5, -2.0]]), rtol=0, atol=0)
+    assert logits[0, 0] == 2.0, "the raw logits must stay untouched"
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.zeros(2, 4)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    rows = [
+        SamplingRow(params, prompt_token_ids=[0, 0, 0], output_token_ids=[1, 1, 1, 2]),
+        SamplingRow(SamplingParams(), prompt_token_ids=[1], output_token_ids=[1]),  # no penalties
+    ]
+    scores = apply_penalties(logits, rows)
+    expected = torch.tensor([[0.0, -(0.5 + 3 * 0.25), -(0.5 + 0.25), 0.0], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(scores, expected, rtol=0, atol=0)
+
+
+def test_penalised_greedy_avoids_repeated_token() -> None:
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    row = SamplingRow(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0], output_token_ids=[])
+    assert Sampler().sample(logits, [row]).token_ids == [1]  # 5 / 2 = 2.5 < 4
+
+
+def test_top_p_and_min_p_never_pick_filtered_tokens() -> None:
+    # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (plus a far tail)
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625 - 1e-6, 1e-6])
+    logits = probs.log()[None, :].repeat(3, 1)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.7),  # keeps {0, 1}: 0.5 < 0.7 ≤ 0.75
+        SamplingParams(temperature=1.0, min_p=0.3),  # keeps p ≥ 0.15: {0, 1}
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.8),  # top-3 renormalised: .571 .286 .143 → {0, 1}
+    ]
+    kept = filtered_probs(logits, params) > 0
+    assert kept.tolist() == [[True, True, False, False, False, False]] * 3
+    sampler = Sampler(seed=3)
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(400):
+        for i, token in enumerate(sampler.sample(logits, _rows(params)).token_ids):
+            seen[i].add(token)
+    assert seen == [{0, 1}] * 3
+
+
+def test_unfiltered_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log()[None, :].repeat(2000, 1)
+    tokens = Sampler(seed=4).sample(logits, _rows([SamplingParams(temperature=1.0)] * 2000)).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 2000
+    torch.testing.assert_close(freq, probs, atol=0.04, rtol=0)
+
+
+def test_seeded_row_is_independent_of_batch_and_repeats_on_recompute() -> None:
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(1, 1000, generator=gen)
+    seeded = SamplingRow(
+        SamplingParams(temperature=1.0, seed=1234), prompt_token_ids=[1, 2], output_token_ids=[7, 8]
+    )
+    alone = Sampler().sample(target, [seeded]).token_ids[0]
+    for trial in range(4):
+        others = torch.randn(3 + trial, 1000, generator=gen)
+        batch = torch.cat([others[:2], target, others[2:]])
+        rows = _rows([SamplingParams(temperature=0.8, top_k=50 + trial, top_p=0.9)] * others.shape[0])
+        rows.insert(2, seeded)
+        assert Sampler().sample(batch, rows).token_ids[2] == alone
+    # A different output index is a different draw: over many indices the tokens vary.
+    draws = {
+        Sampler().sample(target, [SamplingRow(seeded.params, [1, 2], list(range(n)))]).token_ids[0]
+        for n in range(30)
+    }
+    assert len(draws) > 5
+
+
+def test_logprobs_match_log_softmax_of_raw_logits() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    params = [
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=2.0, repetition_penalty=3.0, logprobs=4),
+        SamplingParams(),
+    ]
+    rows = [SamplingRow(p, [0, 1, 2], [3]) for p in params]
+    out = Sampler(seed=6).sample(logits, rows)
+    reference = torch.log_softmax(logits, dim=-1)
+    first, second, third = out.logprobs
+    assert third is None
+    assert first is not None and first.top_token_ids == [] and first.top_logprobs == []
+    assert math.isclose(first.logprob, reference[0, out.token_ids[0]].item(), rel_tol=1e-6)
+    assert second is not None
+    assert math.isclose(second.logprob, reference[1, out.token_ids[1]].item(), rel_tol=1e-6)
+    values, ids = reference[1].topk(4)
+    assert second.top_token_ids == ids.tolist()
+    torch.testing.assert_close(torch.tensor(second.top_logprobs), values)
