@@ -17,6 +17,7 @@ class SchedulerConfig:
     model: str
     host: str = "localhost"
     port: int = 50051
+    metrics_port: int = 9400
     worker_address: str = ""
     num_workers: int = 1
     block_size: int = 16
@@ -32,6 +33,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
+        _check(0 <= self.metrics_port <= 65535, "--metrics-port", self.metrics_port, "0..65535 (0 = any free port)")
         _check(
             self.num_workers == 1,
             "--num-workers",

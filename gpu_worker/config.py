@@ -1,0 +1,48 @@
+"""The worker process's configuration: one frozen dataclass, validated at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class WorkerConfigError(ValueError):
+    """A worker flag has a bad value; the message names the flag and the allowed range."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str
+    scheduler_address: str
+    worker_id: int = 0
+    dtype: str = "auto"
+    device: str = "auto"
+    kv_cache_memory: float = 0.0
+    threads: int = 0
+    sbo: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "--dtype", self.dtype, ", ".join(DTYPES))
+        _check(self.device in DEVICES, "--device", self.device, ", ".join(DEVICES))
+        _check(
+            0.0 <= self.kv_cache_memory <= 0.95,
+            "--kv-cache-memory",
+            self.kv_cache_memory,
+            "a fraction of free device memory in [0, 0.95] (0 = the device's default)",
+        )
+        _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
+        _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
+        _check(
+            self.scheduler_address.startswith(("ipc://", "tcp://")),
+            "--scheduler-address",
+            self.scheduler_address,
+            "an ipc:// or tcp:// address",
+        )
+
+
+def _check(ok: bool, flag: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise WorkerConfigError(f"{flag}={value!r} is invalid: allowed {allowed}")

@@ -1,0 +1,187 @@
+"""The worker process: loads the model, sizes the KV cache, then runs steps.
+
+Conversation with the scheduler (protos/worker.proto): Hello once the weights
+are loaded, Configure back, Ready once the cache is allocated and warmed up,
+then Step -> StepResult until Shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import setproctitle
+import torch
+import zmq
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.model import LlamaModel
+from gpu_worker.pipeline import StepPipeline
+from gpu_worker.runner import ModelRunner
+from protos import worker_pb2
+
+log = logging.getLogger(__name__)
+
+ATTENTION_BACKEND_CPU = "torch"
+DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.9}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def cpu_supports_bfloat16() -> bool:
+    """True when the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda" or cpu_supports_bfloat16():
+            return torch.bfloat16
+        return torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise SystemExit("--dtype float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def plan_num_blocks(
+    config: WorkerConfig,
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    configure: worker_pb2.Configure,
+) -> int:
+    """KV blocks that fit the memory budget, capped by the scheduler's --num-kv-blocks."""
+    fraction = config.kv_cache_memory or DEFAULT_KV_FRACTION[device.type]
+    per_block = kv_cache_bytes_per_block(model_config, configure.block_size, dtype)
+    num_blocks = int(free_memory_bytes(device) * fraction) // per_block
+    # More blocks than every context at full length can never be used.
+    num_blocks = min(num_blocks, -(-model_config.context_length // configure.block_size) * 256)
+    if configure.max_blocks:
+        num_blocks = min(num_blocks, configure.max_blocks)
+    if num_blocks < 1:
+        raise SystemExit(f"--kv-cache-memory {fraction}: not even one KV block of {per_block} bytes fits")
+    return num_blocks
+
+
+def warm_up(runner: ModelRunner, block_size: int) -> None:
+    """One prefill and one decode through the whole step path, so the first request pays no start-up cost."""
+    prompt = list(range(1, 1 + block_size + 1))
+    blocks = [0, min(1, len(runner.kv_cache[0][0]) - 1)]
+    for step_id, message in enumerate(
+        (
+            worker_pb2.Step(
+                new_sequences=[
+                    worker_pb2.NewSequence(
+                        seq_id=0,
+                        token_ids=torch.tensor(prompt, dtype=torch.int32).numpy().tobytes(),
+                        prompt_len=len(prompt),
+                        block_ids=torch.tensor(blocks, dtype=torch.int32).numpy().tobytes(),
+                        num_new_tokens=len(prompt),
+                    )
+                ]
+            ),
+            worker_pb2.Step(
+                running=[
+                    worker_pb2.RunningSequence(seq_id=0, num_computed_tokens=len(prompt), num_new_tokens=1)
+                ]
+            ),
+        )
+    ):
+        message.step_id = step_id
+        runner.execute(runner.stage(message))
+    runner.seqs.clear()
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run one worker process until the scheduler says Shutdown; returns the exit code."""
+    setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    started = time.perf_counter()
+    model_config, weights = load_model(config.model)
+    model = LlamaModel(model_config, dtype, device)
+    model.load_weights(weights)
+    del weights
+    log.info(
+        "loaded %s (%s, %s) in %.1f s",
+        model_config.name,
+        dtype_name(dtype),
+        device,
+        time.perf_counter() - started,
+    )
+
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(config.scheduler_address)
+    try:
+        hello = worker_pb2.Hello(worker_id=config.worker_id, pid=os.getpid())
+        socket.send(worker_pb2.WorkerMessage(hello=hello).SerializeToString())
+        message = worker_pb2.SchedulerMessage.FromString(socket.recv())
+        if message.WhichOneof("kind") != "configure":
+            log.error("expected Configure from the scheduler, got %s", message.WhichOneof("kind"))
+            return 1
+        configure = message.configure
+        num_blocks = plan_num_blocks(config, model_config, device, dtype, configure)
+        started = time.perf_counter()
+        kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
+        allocated = time.perf_counter()
+        runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed)
+        warm_up(runner, configure.block_size)
+        log.info(
+            "KV cache allocated in %.1f s, warmed up in %.1f s", allocated - started, time.perf_counter() - allocated
+        )
+        ready = worker_pb2.Ready(
+            worker_id=config.worker_id,
+            model_name=model_config.name,
+            context_length=model_config.context_length,
+            vocab_size=model_config.vocab_size,
+            dtype=dtype_name(dtype),
+            attention_backend=ATTENTION_BACKEND_CPU,
+            device=str(device),
+            block_size=configure.block_size,
+            num_blocks=num_blocks,
+        )
+        socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
+        log.info(
+            "ready: %d KV blocks of %d tokens, SBO %s",
+            num_blocks,
+            configure.block_size,
+            "on" if config.sbo else "off",
+        )
+        StepPipeline(socket, runner, config.sbo).run()
+        log.info("shutdown requested by the scheduler")
+        return 0
+    finally:
+        socket.close(linger=100)

@@ -1,0 +1,196 @@
+"""The `duoserve` command: `serve` (scheduler + workers), `scheduler`, `worker`.
+
+Every flag can also be set by an environment variable named after it
+(`--max-inflight` -> `DUOSERVE_MAX_INFLIGHT`); a flag on the command line wins.
+The worker's modules (torch) are imported only by the `worker` subcommand, so
+the scheduler process stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from scheduler.config import ConfigError, SchedulerConfig
+from scheduler.model_files import find_default_model
+
+log = logging.getLogger("duoserve")
+
+ENV_PREFIX = "DUOSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    name: str  # "--max-inflight"
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+COMMON_FLAGS = (
+    Flag("--model", str, "", "GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct)"),
+    Flag("--log-level", str, "info", "logging level", ("debug", "info", "warning", "error")),
+)
+SCHEDULER_FLAGS = (
+    Flag("--host", str, "localhost", "gRPC listen host"),
+    Flag("--port", int, 50051, "gRPC listen port"),
+    Flag("--metrics-port", int, 9400, "HTTP port of /health and /metrics (same host as gRPC)"),
+    Flag("--worker-address", str, "", "ZeroMQ address workers connect to (default: an ipc:// socket)"),
+    Flag("--num-workers", int, 1, "worker processes"),
+    Flag("--block-size", int, 16, "tokens per KV-cache block (8, 16 or 32)"),
+    Flag("--num-kv-blocks", int, 0, "cap on KV-cache blocks (0 = as many as the memory budget allows)"),
+    Flag("--max-batched-tokens", int, 2048, "token budget of one step"),
+    Flag("--max-num-seqs", int, 256, "sequences in one step"),
+    Flag("--prefill-chunk", int, 512, "longest prefill chunk of one sequence in one step"),
+    Flag("--max-inflight", int, 2, "batches in flight at once (DBO; 1 turns it off)"),
+    Flag("--max-queued-requests", int, 1024, "requests waiting or running before RESOURCE_EXHAUSTED"),
+    Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
+    Flag("--shutdown-grace", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
+)
+WORKER_FLAGS = (
+    Flag("--dtype", str, "auto", "serving dtype", ("auto", "float32", "bfloat16", "float16")),
+    Flag("--device", str, "auto", "compute device", ("auto", "cpu", "cuda")),
+    Flag("--kv-cache-memory", float, 0.0, "fraction of free device memory for the KV cache (0 = default)"),
+    Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),
+    Flag("--sbo", bool, True, "stage the next batch while the current one computes"),
+)
+WORKER_ONLY_FLAGS = (
+    Flag("--scheduler-address", str, "", "the scheduler's ZeroMQ address"),
+    Flag("--worker-id", int, 0, "this worker's index"),
+)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _add_flags(parser: argparse.ArgumentParser, flags: Sequence[Flag], environ: dict[str, str]) -> None:
+    for flag in flags:
+        default = flag.default
+        raw = environ.get(flag.env)
+        if raw is not None:
+            try:
+                default = _parse_bool(raw) if flag.type is bool else flag.type(raw)
+            except ValueError:
+                parser.error(f"{flag.env}={raw!r} (for {flag.name}) is not a valid {flag.type.__name__}")
+        help_text = f"{flag.help} [env {flag.env}; default {default!r}]"
+        if flag.type is bool:
+            parser.add_argument(
+                flag.name,
+                dest=flag.dest,
+                default=default,
+                help=help_text,
+                action=argparse.BooleanOptionalAction,
+            )
+        else:
+            parser.add_argument(
+                flag.name,
+                dest=flag.dest,
+                type=flag.type,
+                default=default,
+                help=help_text,
+                choices=flag.choices,
+            )
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    env = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(prog="duoserve", description="gRPC LLM serving with DBO and SBO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    groups = {
+        "serve": (COMMON_FLAGS, SCHEDULER_FLAGS, WORKER_FLAGS),
+        "scheduler": (COMMON_FLAGS, SCHEDULER_FLAGS),
+        "worker": (COMMON_FLAGS, WORKER_FLAGS, WORKER_ONLY_FLAGS),
+    }
+    helps = {
+        "serve": "start the scheduler and its worker(s), wait until ready, stop all on SIGINT/SIGTERM",
+        "scheduler": "run the scheduler process alone (gRPC API, queues, KV block tables)",
+        "worker": "run one worker process alone (model, KV cache, kernels)",
+    }
+    for name, flag_groups in groups.items():
+        command = sub.add_parser(name, help=helps[name], description=helps[name])
+        for flags in flag_groups:
+            _add_flags(command, flags, env)
+    return parser
+
+
+def default_model() -> str:
+    return str(find_default_model())
+
+
+def default_worker_address(port: int) -> str:
+    return f"ipc://{tempfile.gettempdir()}/duoserve-{port}-{os.getpid()}.sock"
+
+
+def _pick(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return cls(**values)
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    address = args.worker_address or default_worker_address(args.port)
+    return _pick(SchedulerConfig, args, model=args.model or default_model(), worker_address=address)
+
+
+def worker_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    from gpu_worker.config import WorkerConfig
+
+    model = overrides.pop("model", None) or args.model or default_model()
+    return _pick(WorkerConfig, args, model=model, **overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {args.command}[%(process)d] %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "serve":
+            from scheduler.launcher import serve
+
+            sys.exit(serve(args))
+        if args.command == "scheduler":
+            from scheduler.server import run_scheduler
+
+            sys.exit(run_scheduler(scheduler_config(args)))
+        from gpu_worker.config import WorkerConfigError
+
+        try:
+            config = worker_config(args)
+        except WorkerConfigError as err:
+            parser.error(str(err))
+        from gpu_worker.worker import run_worker
+
+        sys.exit(run_worker(config))
+    except ConfigError as err:
+        parser.error(str(err))
+
+
+if __name__ == "__main__":
+    main()

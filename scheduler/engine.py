@@ -1,0 +1,262 @@
+"""The scheduler's core: admits requests, plans steps, keeps batches in flight (DBO).
+
+Everything runs on the asyncio event loop and nothing here blocks on the worker:
+a step is dispatched as soon as a lane is free, and a result is turned into
+client events, freed blocks and the lane's next step as soon as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from protos import worker_pb2
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.output_processor import InflightBatch, OutputProcessor
+from scheduler.planner import BatchPlanner, PlannerLimits, StepPlan
+from scheduler.request import FinishReason, OutputEvent, Request, RequestState
+from scheduler.worker_link import WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    NOT_READY = "not_ready"
+    SHUTTING_DOWN = "shutting_down"
+    QUEUE_FULL = "queue_full"
+
+
+class Engine:
+    """Owns the queues, the block pool and the in-flight batches of one worker."""
+
+    def __init__(
+        self, config: SchedulerConfig, eos_token_ids: frozenset[int], debug_checks: bool = False
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.debug_checks = debug_checks
+        self.worker_info: worker_pb2.Ready | None = None
+        self.blocks: BlockManager | None = None
+        self.planner: BatchPlanner | None = None
+        self.outputs: OutputProcessor | None = None
+        self._link = WorkerLink(config.worker_address)
+        self._requests: dict[int, Request] = {}
+        self._inflight: dict[int, InflightBatch] = {}
+        self._free_lanes = list(range(config.max_inflight))
+        self._pending_releases: list[int] = []
+        self._step_ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._recv_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.worker_lost = False
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def ready(self) -> bool:
+        return self.worker_info is not None and not self.worker_lost
+
+    async def start(self) -> worker_pb2.Ready:
+        """Wait for the worker to connect, configure it, and start serving."""
+        ready = await self._link.handshake(self.config.block_size, self.config.num_kv_blocks)
+        self.blocks = BlockManager(ready.num_blocks, ready.block_size)
+        limits = PlannerLimits(
+            max_batched_tokens=self.config.max_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            prefill_chunk=self.config.prefill_chunk,
+            max_inflight=self.config.max_inflight,
+        )
+        self.planner = BatchPlanner(self.blocks, limits)
+        self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)
+        self.worker_info = ready
+        self._recv_task = asyncio.create_task(self._receive_loop(), name="worker-results")
+        log.info(
+            "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens",
+            ready.model_name,
+            ready.dtype,
+            ready.device,
+            ready.attention_backend,
+            ready.num_blocks,
+            ready.block_size,
+        )
+        return ready
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting, give running requests `timeout` seconds, then abort the rest as UNAVAILABLE."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request in list(self._requests.values()):
+            self._fail(request, "UNAVAILABLE", "the server is shutting down")
+
+    async def close(self) -> None:
+        if self.worker_info is not None and not self.worker_lost:
+            try:
+                await asyncio.wait_for(
+                    self._link.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown())), 1
+                )
+            except (TimeoutError, OSError) as err:
+                log.warning("could not tell the worker to shut down: %s", err)
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._link.close()
+
+    # ------------------------------------------------------------------ requests
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def submit(self, request: Request) -> Admission:
+        if self._stopping:
+            return Admission.SHUTTING_DOWN
+        if not self.ready or self.planner is None:
+            return Admission.NOT_READY
+        if len(self._requests) >= self.config.max_queued_requests:
+            return Admission.QUEUE_FULL
+        self._requests[request.seq_id] = request
+        self.planner.add(request)
+        self._dispatch()
+        return Admission.ADMITTED
+
+    def abort(self, request: Request) -> None:
+        """Stop a request the client gave up on; its blocks are freed within one step."""
+        if request.state is RequestState.FINISHED or request.seq_id not in self._requests:
+            return
+        request.aborted = True
+        request.finish_reason = FinishReason.ABORTED
+        if not request.in_flight:
+            self._finish(request)
+        # In flight: freed when that batch's result comes back.
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _dispatch(self) -> None:
+        """Fill every free lane with a planned step."""
+        assert self.planner is not None
+        while self._free_lanes and not self.worker_lost:
+            plan = self.planner.plan()
+            if plan is None:
+                return
+            self._send(plan, self._free_lanes.pop(0))
+
+    def _send(self, plan: StepPlan, lane: int) -> None:
+        assert self.blocks is not None
+        self.num_preemptions += len(plan.preempted)
+        for request in plan.preempted:
+            log.debug("preempted request %s (recomputed later)", request.request_id)
+            if request.on_worker:
+                self._pending_releases.append(request.seq_id)
+                request.on_worker = False
+        step = worker_pb2.Step(step_id=next(self._step_ids), lane=lane)
+        step.released_seq_ids = np.asarray(self._pending_releases, dtype="<u8").tobytes()
+        self._pending_releases.clear()
+        for scheduled in plan.seqs:
+            request = scheduled.request
+            table = self.blocks.table(request.seq_id)
+            if not request.on_worker:
+                step.new_sequences.append(
+                    worker_pb2.NewSequence(
+                        seq_id=request.seq_id,
+                        token_ids=np.asarray(request.all_token_ids(), dtype="<i4").tobytes(),
+                        prompt_len=request.prompt_len,
+                        block_ids=np.asarray(table, dtype="<i4").tobytes(),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_new_tokens=scheduled.num_new_tokens,
+                        sampling=request.params.sampling,
+                    )
+                )
+                request.on_worker = True
+            else:
+                step.running.append(
+                    worker_pb2.RunningSequence(
+                        seq_id=request.seq_id,
+                        new_block_ids=np.asarray(table[request.num_blocks_sent :], dtype="<i4").tobytes(),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_new_tokens=scheduled.num_new_tokens,
+                    )
+                )
+            request.num_blocks_sent = len(table)
+            request.in_flight = True
+        self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs, time.monotonic())
+        task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))
+        task.add_done_callback(self._on_send_done)
+
+    def _on_send_done(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sending a step to the worker failed: %s", task.exception())
+            self._lose_worker("the worker could not be reached")
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = await self._link.recv()
+            kind = message.WhichOneof("kind")
+            if kind == "result":
+                self._on_result(message.result)
+            elif kind == "error":
+                log.error("worker failed step %d: %s", message.error.step_id, message.error.message)
+                self._lose_worker(f"the worker failed: {message.error.message}")
+            else:
+                log.warning("ignoring an unexpected %s message from the worker", kind)
+
+    def _on_result(self, result: worker_pb2.StepResult) -> None:
+        assert self.outputs is not None
+        batch = self._inflight.pop(result.step_id, None)
+        if batch is None:
+            log.warning("ignoring the result of unknown step %d", result.step_id)
+            return
+        self._free_lanes.append(batch.lane)
+        for request in self.outputs.process(batch, result):
+            self._finish(request)
+        self._dispatch()
+        if self.debug_checks:
+            self._check_integrity()
+
+    def _finish(self, request: Request) -> None:
+        assert self.planner is not None
+        self.planner.remove(request)
+        if request.on_worker:
+            self._pending_releases.append(request.seq_id)
+            request.on_worker = False
+        self._requests.pop(request.seq_id, None)
+
+    def _fail(self, request: Request, code: str, message: str) -> None:
+        request.emit(OutputEvent(error=(code, message)))
+        request.aborted = True
+        request.in_flight = False
+        self._finish(request)
+
+    def _lose_worker(self, reason: str) -> None:
+        self.worker_lost = True
+        for request in list(self._requests.values()):
+            self._fail(request, "UNAVAILABLE", reason)
+        self._inflight.clear()
+
+    def _check_integrity(self) -> None:
+        assert self.blocks is not None
+        self.blocks.check_integrity()
+        if not self._requests and not self._inflight:
+            assert self.blocks.num_free_blocks == self.blocks.num_blocks, (
+                f"idle scheduler holds {self.blocks.num_used_blocks} KV blocks"
+            )
+
+    def kv_stats(self) -> tuple[int, int]:
+        """(free blocks, total blocks) of the pool."""
+        assert self.blocks is not None
+        return self.blocks.num_free_blocks, self.blocks.num_blocks

@@ -1,0 +1,135 @@
+"""`duoserve serve`: starts the worker(s) and the scheduler as separate processes.
+
+It waits until the scheduler reports SERVING, watches its children, and on
+SIGINT/SIGTERM stops the scheduler first (which drains its streams and tells the
+workers to shut down), then the workers, so no process is left behind. Children
+run in their own process group (a Ctrl-C reaches only this launcher, which
+coordinates the order) and are told by the kernel to exit if it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
+from scheduler.config import SchedulerConfig
+from scheduler.proctitle import die_with_parent, set_process_title
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+WORKER_EXIT_SECONDS = 10.0
+KILL_AFTER_SECONDS = 5.0
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+
+def flags_to_argv(flags: Sequence[Flag], values: object) -> list[str]:
+    """Command-line flags that reproduce `values` (a config dataclass or Namespace)."""
+    argv = []
+    for flag in flags:
+        if not hasattr(values, flag.dest):
+            continue
+        value = getattr(values, flag.dest)
+        if flag.type is bool:
+            argv.append(flag.name if value else "--no-" + flag.name.removeprefix("--"))
+        else:
+            argv += [flag.name, str(value)]
+    return argv
+
+
+def _spawn(name: str, argv: list[str]) -> Child:
+    command = [sys.executable, "-m", "scheduler.cli", *argv]
+    log.info("starting %s: %s", name, " ".join(command))
+    process = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent)
+    return Child(name, process)
+
+
+def _is_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1.0
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _stop(children: list[Child], grace: float) -> None:
+    """Scheduler first (it drains and shuts its workers down), then whatever is left."""
+    scheduler, workers = children[-1], children[:-1]
+    if scheduler.process.poll() is None:
+        scheduler.process.send_signal(signal.SIGTERM)
+        _wait(scheduler, grace + KILL_AFTER_SECONDS)
+    for worker in workers:
+        _wait(worker, WORKER_EXIT_SECONDS, already_told=True)
+
+
+def _wait(child: Child, timeout: float, already_told: bool = False) -> None:
+    try:
+        child.process.wait(timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    if already_told:
+        child.process.send_signal(signal.SIGTERM)
+        try:
+            child.process.wait(KILL_AFTER_SECONDS)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    log.warning("%s did not exit; killing it", child.name)
+    child.process.kill()
+    child.process.wait()
+
+
+def serve(args: Namespace) -> int:
+    """Run the whole server until SIGINT/SIGTERM; returns the exit code."""
+    set_process_title("serve")
+    config: SchedulerConfig = scheduler_config(args)
+    model = ["--model", config.model, "--log-level", args.log_level]
+    children = []
+    for worker_id in range(config.num_workers):
+        worker = worker_config(
+            args, scheduler_address=config.worker_address, worker_id=worker_id, model=config.model
+        )
+        argv = ["worker", *model, *flags_to_argv(WORKER_FLAGS, worker)]
+        argv += ["--scheduler-address", worker.scheduler_address, "--worker-id", str(worker_id)]
+        children.append(_spawn(f"worker {worker_id}", argv))
+    children.append(_spawn("scheduler", ["scheduler", *model, *flags_to_argv(SCHEDULER_FLAGS, config)]))
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    announced = False
+    exit_code = 0
+    while not stop.is_set():
+        dead = [c for c in children if c.process.poll() is not None]
+        if dead:
+            log.error("%s exited with code %s; stopping", dead[0].name, dead[0].process.returncode)
+            exit_code = 1
+            break
+        if not announced and _is_serving(config.grpc_address):
+            log.info("duoserve is serving %s on %s", config.model, config.grpc_address)
+            announced = True
+        stop.wait(POLL_SECONDS if announced else 0.5)
+    started = time.monotonic()
+    _stop(children, config.shutdown_grace_s)
+    log.info("stopped in %.1f s", time.monotonic() - started)
+    return exit_code

@@ -1,0 +1,113 @@
+"""The scheduler process: gRPC server, health, reflection, and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import inference_pb2, inference_pb2_grpc
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine
+from scheduler.http_server import HttpEndpoint
+from scheduler.model_files import model_name, resolve_model
+from scheduler.proctitle import set_process_title
+from scheduler.servicer import InferenceServicer
+from scheduler.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Set by tests so the block-pool invariants are checked after every step.
+DEBUG_CHECKS_ENV = "DUOSERVE_DEBUG_CHECKS"
+
+
+class SchedulerServer:
+    """Wires the servicer, health and reflection to one engine and runs until stopped."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        model_path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model_name = model_name(model_path)
+
+    def _build(self) -> None:
+        """Objects bound to the running event loop: the engine's socket and the gRPC server."""
+        self.engine = Engine(
+            self.config, self.tokenizer.eos_token_ids, debug_checks=os.environ.get(DEBUG_CHECKS_ENV) == "1"
+        )
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        servicer = InferenceServicer(self.engine, self.tokenizer, self.model_name)
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((SERVICE_NAME, health_service, reflection.SERVICE_NAME), self.server)
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def run(self) -> int:
+        self._build()
+        port = self.server.add_insecure_port(self.config.grpc_address)
+        if port == 0:
+            log.error("cannot listen on %s (in use?)", self.config.grpc_address)
+            return 1
+        try:
+            http = HttpEndpoint(self.config.host, self.config.metrics_port, self.engine)
+        except OSError as err:
+            log.error("cannot serve /health and /metrics on port %d: %s", self.config.metrics_port, err)
+            return 1
+        http.start()
+        log.info("/health and /metrics on %s:%d", self.config.host, http.port)
+        await self._set_serving(False)
+        await self.server.start()
+        log.info(
+            "gRPC listening on %s; waiting for the worker on %s",
+            self.config.grpc_address,
+            self.config.worker_address,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        start = asyncio.create_task(self.engine.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if start.done() and start.exception() is None:
+            await self._set_serving(True)
+            log.info("serving %s", self.engine.worker_info.model_name if self.engine.worker_info else "?")
+            await stopped
+        elif start.done():
+            log.error("worker handshake failed: %s", start.exception())
+            stop.set()
+        start.cancel()
+        log.info("shutting down: draining for up to %.1f s", self.config.shutdown_grace_s)
+        await self._set_serving(False)
+        await self.engine.drain(self.config.shutdown_grace_s)
+        await self.server.stop(grace=1.0)
+        await self.engine.close()
+        http.close()
+        return 0 if start.done() and not start.cancelled() and start.exception() is None else 1
+
+
+def run_scheduler(config: SchedulerConfig) -> int:
+    """Run the scheduler process until SIGINT/SIGTERM; returns the exit code."""
+    set_process_title("scheduler")
+    return asyncio.run(SchedulerServer(config).run())

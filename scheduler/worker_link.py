@@ -1,0 +1,74 @@
+"""The scheduler's end of the ZeroMQ link to its worker(s).
+
+The scheduler binds a ROUTER socket; each worker connects a DEALER. Messages are
+the protobufs of protos/worker.proto, one per ZeroMQ frame; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from protos import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class WorkerProtocolError(RuntimeError):
+    """A worker sent something the conversation does not allow at this point."""
+
+
+class WorkerLink:
+    """Binds the worker socket and exchanges protobuf messages with one worker."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.bind(address)
+        if address.startswith("ipc://"):
+            # Only this user may talk to the scheduler through the socket file.
+            os.chmod(address.removeprefix("ipc://"), 0o600)
+        self._identity: bytes | None = None
+
+    async def handshake(self, block_size: int, max_blocks: int) -> worker_pb2.Ready:
+        """Wait for a worker's Hello, configure its KV cache, and wait until it is Ready."""
+        hello = await self._expect("hello")
+        log.info("worker %d (pid %d) connected", hello.hello.worker_id, hello.hello.pid)
+        await self.send(
+            worker_pb2.SchedulerMessage(
+                configure=worker_pb2.Configure(block_size=block_size, max_blocks=max_blocks)
+            )
+        )
+        ready = await self._expect("ready")
+        return ready.ready
+
+    async def _expect(self, kind: str) -> worker_pb2.WorkerMessage:
+        message = await self.recv()
+        if message.WhichOneof("kind") != kind:
+            detail = (
+                message.error.message if message.WhichOneof("kind") == "error" else message.WhichOneof("kind")
+            )
+            raise WorkerProtocolError(f"expected {kind} from the worker, got {detail}")
+        return message
+
+    async def recv(self) -> worker_pb2.WorkerMessage:
+        identity, payload = await self._socket.recv_multipart(copy=False)
+        self._identity = bytes(identity.buffer)
+        return worker_pb2.WorkerMessage.FromString(payload.buffer)
+
+    async def send(self, message: worker_pb2.SchedulerMessage) -> None:
+        assert self._identity is not None, "no worker has connected yet"
+        await self._socket.send_multipart([self._identity, message.SerializeToString()])
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+        if self.address.startswith("ipc://"):
+            Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -1,0 +1,97 @@
+"""Starts real `duoserve serve` processes on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from duoserve_client import Client
+
+DUOSERVE = str(Path(sys.executable).parent / "duoserve")
+READY_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(slots=True)
+class ServerProcess:
+    """A running `duoserve serve` and every process it started."""
+
+    target: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    descendants: list[psutil.Process] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the launcher and wait for it; returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"duoserve serve did not stop within {timeout} s:\n{self.log()[-4000:]}") from None
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes it started that are still alive."""
+        return [p for p in self.descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def start_server(*flags: str, env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+    port = free_port()
+    log_file = tempfile.NamedTemporaryFile(prefix="duoserve-test-", suffix=".log", delete=False)  # noqa: SIM115
+    environment = {**os.environ, "DUOSERVE_DEBUG_CHECKS": "1", **(env or {})}
+    command = [
+        DUOSERVE,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-address",
+        f"ipc://{tempfile.gettempdir()}/duoserve-test-{port}.sock",
+        "--threads",
+        "2",
+        # A small pool starts fast; tests that need more or less say so (a later flag wins).
+        "--num-kv-blocks",
+        "512",
+        *flags,
+    ]
+    process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment)
+    server = ServerProcess(f"127.0.0.1:{port}", process, Path(log_file.name))
+    if wait:
+        wait_until_serving(server)
+    return server
+
+
+def wait_until_serving(server: ServerProcess, timeout: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    with Client(server.target, retries=0) as client:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise AssertionError(f"duoserve serve exited with {server.process.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if client.health(timeout=1.0) == "SERVING":
+                    server.descendants = psutil.Process(server.process.pid).children(recursive=True)
+                    return
+            except Exception:
+                pass
+            time.sleep(0.3)
+    server.stop(signal.SIGKILL)
+    raise AssertionError(f"duoserve serve not SERVING after {timeout} s:\n{server.log()[-4000:]}")

@@ -1,0 +1,260 @@
+"""End to end: `duoserve serve` as real processes on loopback, driven through the SDK."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from duoserve_client import Client
+from duoserve_client._proto import inference_pb2, inference_pb2_grpc
+from tests.e2e.harness import ServerProcess, start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain gravity to a child in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+    "Give me a synonym for happy.",
+]
+MAX_TOKENS = 24
+
+
+def chat(client: Client, prompt: str, **options: object) -> object:
+    options.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat([("user", prompt)], **options)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm_server: ServerProcess) -> dict[str, tuple[str, list[int]]]:
+    """Each prompt's greedy completion, computed alone."""
+    with Client(smollm_server.target) as client:
+        results = {}
+        for prompt in PROMPTS:
+            completion = chat(client, prompt)
+            results[prompt] = (completion.text, completion.token_ids)
+        return results
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    port = re.findall(r"/health and /metrics on [\w.]+:(\d+)", server.log())[-1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_real_answer(reference: dict[str, tuple[str, list[int]]]) -> None:
+    text, token_ids = reference["What is the capital of France?"]
+    assert "Paris" in text
+    assert len(token_ids) <= MAX_TOKENS
+
+
+def test_list_models_reports_the_serving_configuration(smollm_server: ServerProcess) -> None:
+    with Client(smollm_server.target) as client:
+        (model,) = client.list_models()
+    assert model.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert (model.context_length, model.vocab_size, model.dtype) == (8192, 49152, "float32")
+    assert model.attention_backend == "torch"
+    assert model.block_size == 16
+    assert model.kv_cache_blocks > 0 and model.kv_cache_tokens == 16 * model.kv_cache_blocks
+
+
+def test_32_concurrent_streams_match_their_solo_results(
+    smollm_server: ServerProcess, reference: dict[str, tuple[str, list[int]]]
+) -> None:
+    prompts = PROMPTS * 4
+
+    def run(prompt: str) -> tuple[str, list[int], str | None]:
+        with Client(smollm_server.target) as client:
+            text, ids, finish = "", [], None
+            for chunk in client.chat([("user", prompt)], max_tokens=MAX_TOKENS, stream=True):
+                text += chunk.text
+                ids += chunk.token_ids
+                finish = chunk.finish_reason or finish
+            return text, ids, finish
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(run, prompts))
+    for prompt, (text, ids, finish) in zip(prompts, results, strict=True):
+        assert (text, ids) == reference[prompt], prompt
+        assert finish in ("stop", "length")
+
+
+def test_unary_and_stream_agree_and_usage_counts_tokens(smollm_server: ServerProcess) -> None:
+    with Client(smollm_server.target) as client:
+        prompt_ids = client.tokenize("The quick brown fox")
+        unary = client.generate("The quick brown fox", max_tokens=10, ignore_eos=True)
+        chunks = list(client.stream("The quick brown fox", max_tokens=10, ignore_eos=True))
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == unary.token_ids
+    assert unary.finish_reason == "length" and chunks[-1].finish_reason == "length"
+    assert unary.usage.prompt_tokens == len(prompt_ids)
+    assert unary.usage.completion_tokens == 10 and len(unary.token_ids) == 10
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stop_string_cuts_the_text(smollm_server: ServerProcess, reference: dict[str, tuple[str, list[int]]]) -> None:
+    full_text, _ = reference["List three prime numbers."]
+    words = full_text.split()
+    assert len(words) >= 3, full_text
+    stop = words[2]
+    with Client(smollm_server.target) as client:
+        completion = chat(client, "List three prime numbers.", stop=[stop])
+    assert completion.finish_reason == "stop"
+    assert completion.text == full_text[: full_text.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(smollm_server: ServerProcess) -> None:
+    options = dict(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234, logprobs=3)
+    with Client(smollm_server.target) as client:
+        first = chat(client, "Tell me a story.", **options)
+        second = chat(client, "Tell me a story.", **options)
+    assert first.token_ids == second.token_ids
+    assert first.logprobs is not None and len(first.logprobs) == len(first.token_ids)
+    for entry in first.logprobs:
+        assert len(entry.top) == 3 and entry.logprob <= 0.0
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+def test_cancelled_stream_frees_its_blocks(smollm_server: ServerProcess) -> None:
+    with Client(smollm_server.target) as client:
+        stream = client.stream("Count from one to one thousand:", max_tokens=400, ignore_eos=True)
+        for index, _chunk in enumerate(stream):
+            if index == 3:
+                break
+        stream.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            values = metrics(smollm_server)
+            if values['duoserve_kv_cache_blocks{state="used"}'] == 0:
+                break
+            time.sleep(0.1)
+    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+    assert values['duoserve_queue_size{queue="running"}'] == 0
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, 99999]), "prompt_token_ids[1]"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", max_tokens=9000), "max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", min_p=2.0), "min_p"),
+    (dict(prompt="hi", top_k=10**6), "top_k"),
+    (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty"),
+    (dict(prompt="hi", presence_penalty=3.0), "presence_penalty"),
+    (dict(prompt="hi", frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(prompt="hi", stop=[""]), "stop[0]"),
+    (dict(prompt="hi", stop_token_ids=[50000]), "stop_token_ids[0]"),
+    (dict(prompt="hi", logprobs=100), "logprobs"),
+    (dict(prompt="hi", model="no-such-model"), "model"),
+    (dict(messages=[inference_pb2.ChatMessage(role="", content="x")]), "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize(("fields", "field_name"), BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_naming_the_field(
+    smollm_server: ServerProcess, fields: dict[str, object], field_name: str
+) -> None:
+    with grpc.insecure_channel(smollm_server.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for call in (stub.Generate, lambda r, timeout: list(stub.GenerateStream(r, timeout=timeout))):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(inference_pb2.GenerateRequest(**fields), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith(field_name + ":"), caught.value.details()
+
+
+def test_prompt_longer_than_the_context_is_rejected(smollm_server: ServerProcess) -> None:
+    with grpc.insecure_channel(smollm_server.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=[17] * 8192), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("prompt:")
+
+
+def test_small_kv_pool_preempts_but_every_result_is_unchanged(
+    reference: dict[str, tuple[str, list[int]]],
+) -> None:
+    # 12 blocks of 16 tokens: room for about three of these requests at once.
+    server = start_server("--dtype", "float32", "--metrics-port", "0", "--num-kv-blocks", "12", "--block-size", "16")
+    try:
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool, Client(server.target) as client:
+            results = list(pool.map(lambda p: chat(client, p), PROMPTS))
+        for prompt, completion in zip(PROMPTS, results, strict=True):
+            assert (completion.text, completion.token_ids) == reference[prompt], prompt
+        values = metrics(server)
+        assert values["duoserve_preemptions_total"] > 0
+        assert values['duoserve_kv_cache_blocks{state="free"}'] == 12
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+def test_health_is_not_serving_until_the_worker_is_ready_and_env_flags_apply() -> None:
+    server = start_server("--metrics-port", "0", env={"DUOSERVE_DTYPE": "bfloat16", "DUOSERVE_BLOCK_SIZE": "8"}, wait=False)
+    seen: list[str] = []
+    refused_before_ready: list[grpc.StatusCode] = []
+    try:
+        with Client(server.target, retries=0) as client:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and "SERVING" not in seen:
+                try:
+                    status = client.health(timeout=1.0)
+                except Exception:
+                    status = "NO_ANSWER"
+                if status == "NOT_SERVING" and not refused_before_ready:
+                    with pytest.raises(Exception) as caught:
+                        client.generate("hi", max_tokens=1, timeout=5)
+                    refused_before_ready.append(caught.value.code)
+                seen.append(status)
+                time.sleep(0.05)
+            assert "NOT_SERVING" in seen and seen[-1] == "SERVING", seen
+            assert refused_before_ready == [grpc.StatusCode.UNAVAILABLE]
+            (model,) = client.list_models()
+            assert (model.dtype, model.block_size) == ("bfloat16", 8)
+            assert "Paris" in chat(client, "What is the capital of France?").text
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+def test_sigterm_lets_an_inflight_stream_finish_or_end_unavailable() -> None:
+    server = start_server("--dtype", "float32", "--metrics-port", "0", "--shutdown-grace", "1")
+    outcome: list[object] = []
+
+    def consume() -> None:
+        with Client(server.target, retries=0) as client:
+            try:
+                chunks = list(client.stream("Count to a thousand:", max_tokens=2000, ignore_eos=True))
+                outcome.append(chunks[-1].finish_reason)
+            except Exception as err:
+                outcome.append(getattr(err, "code", err))
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(3)
+    assert server.stop() == 0
+    thread.join(30)
+    assert outcome in (["length"], [grpc.StatusCode.UNAVAILABLE]), outcome
+    assert server.leftovers() == []

@@ -1,0 +1,55 @@
+"""Flags, their DUOSERVE_* environment variables, and validation that names the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, scheduler_config, worker_config
+from scheduler.config import ConfigError, SchedulerConfig
+from scheduler.launcher import flags_to_argv
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> object:
+    return build_parser(env or {}).parse_args(argv)
+
+
+def test_environment_sets_a_flag_and_the_command_line_wins() -> None:
+    env = {"DUOSERVE_MAX_INFLIGHT": "4", "DUOSERVE_DTYPE": "float32", "DUOSERVE_SBO": "off"}
+    args = parse(["serve", "--model", "m.gguf"], env)
+    assert (args.max_inflight, args.dtype, args.sbo) == (4, "float32", False)
+    args = parse(["serve", "--model", "m.gguf", "--max-inflight", "1", "--sbo"], env)
+    assert (args.max_inflight, args.sbo) == (1, True)
+
+
+def test_bad_environment_value_names_the_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["scheduler"], {"DUOSERVE_PORT": "many"})
+    assert "DUOSERVE_PORT" in capsys.readouterr().err
+
+
+def test_config_validation_names_the_flag_and_range() -> None:
+    args = parse(["scheduler", "--model", "m.gguf", "--max-inflight", "9"])
+    with pytest.raises(ConfigError, match=r"--max-inflight=9 is invalid: allowed 1\.\.4"):
+        scheduler_config(args)
+    with pytest.raises(ConfigError, match="--block-size"):
+        SchedulerConfig(model="m", block_size=12, worker_address="ipc:///tmp/x")
+
+
+def test_worker_config_checks_its_flags() -> None:
+    args = parse(["worker", "--model", "m.gguf", "--scheduler-address", "tcp://127.0.0.1:5555"])
+    config = worker_config(args)
+    assert config.scheduler_address == "tcp://127.0.0.1:5555" and config.sbo
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        worker_config(parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--kv-cache-memory", "2"]))
+
+
+def test_serve_passes_every_flag_through_to_its_children() -> None:
+    args = parse(["serve", "--model", "m.gguf", "--no-sbo", "--block-size", "32", "--dtype", "bfloat16"])
+    scheduler = scheduler_config(args)
+    worker = worker_config(args, scheduler_address=scheduler.worker_address)
+    child = build_parser({}).parse_args(["scheduler", "--model", "m.gguf", *flags_to_argv(SCHEDULER_FLAGS, scheduler)])
+    assert scheduler_config(child) == scheduler
+    child_w = build_parser({}).parse_args(
+        ["worker", "--model", "m.gguf", "--scheduler-address", scheduler.worker_address, *flags_to_argv(WORKER_FLAGS, worker)]
+    )
+    assert worker_config(child_w) == worker
