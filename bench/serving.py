@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from duoserve_client import AsyncClient, Client, DuoserveError
 from workloads import (
     BenchRequest,
     WorkloadSpec,
@@ -41,6 +40,8 @@ from workloads import (
     random_prompts,
     workload_specs,
 )
+
+from duoserve_client import AsyncClient, Client, DuoserveError
 
 QUICK = {"num_requests": 8, "input_len": 64, "output_len": 16, "hf_batch": 8}
 FULL = {"num_requests": 64, "input_len": 256, "output_len": 128, "hf_batch": 64}

@@ -160,7 +160,9 @@ def run_worker(config: WorkerConfig) -> int:
         runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed)
         warm_up(runner, configure.block_size)
         log.info(
-            "KV cache allocated in %.1f s, warmed up in %.1f s", allocated - started, time.perf_counter() - allocated
+            "KV cache allocated in %.1f s, warmed up in %.1f s",
+            allocated - started,
+            time.perf_counter() - allocated,
         )
         ready = worker_pb2.Ready(
             worker_id=config.worker_id,

@@ -33,7 +33,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
-        _check(0 <= self.metrics_port <= 65535, "--metrics-port", self.metrics_port, "0..65535 (0 = any free port)")
+        _check(
+            0 <= self.metrics_port <= 65535,
+            "--metrics-port",
+            self.metrics_port,
+            "0..65535 (0 = any free port)",
+        )
         _check(
             self.num_workers == 1,
             "--num-workers",

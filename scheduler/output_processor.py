@@ -72,7 +72,9 @@ class OutputProcessor:
             ):
                 event.text += request.detokenizer.flush()
                 # The held-back tail may itself complete a stop string.
-                event.finish_reason = FinishReason.STOP if request.detokenizer.stopped else FinishReason.LENGTH
+                event.finish_reason = (
+                    FinishReason.STOP if request.detokenizer.stopped else FinishReason.LENGTH
+                )
         request.finish_reason = event.finish_reason
         request.emit(event)
         return event.finish_reason is not None

@@ -54,7 +54,9 @@ class SchedulerServer:
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((SERVICE_NAME, health_service, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_service, reflection.SERVICE_NAME), self.server
+        )
 
     async def _set_serving(self, serving: bool) -> None:
         status = (

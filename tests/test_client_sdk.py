@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from duoserve_client import (
     AsyncClient,
     Client,
@@ -38,7 +40,6 @@ from duoserve_client import (
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
 from duoserve_client._retry import RetryPolicy
 from duoserve_client.cli import main
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 PIECES = (("Hel", 10), ("lo", 11), (" world", 12))
 MODEL = inference_pb2.ModelInfo(

@@ -46,7 +46,9 @@ class ServerProcess:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            raise AssertionError(f"duoserve serve did not stop within {timeout} s:\n{self.log()[-4000:]}") from None
+            raise AssertionError(
+                f"duoserve serve did not stop within {timeout} s:\n{self.log()[-4000:]}"
+            ) from None
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes it started that are still alive."""
@@ -85,7 +87,9 @@ def wait_until_serving(server: ServerProcess, timeout: float = READY_TIMEOUT_S) 
     with Client(server.target, retries=0) as client:
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
-                raise AssertionError(f"duoserve serve exited with {server.process.returncode}:\n{server.log()[-4000:]}")
+                raise AssertionError(
+                    f"duoserve serve exited with {server.process.returncode}:\n{server.log()[-4000:]}"
+                )
             try:
                 if client.health(timeout=1.0) == "SERVING":
                     server.descendants = psutil.Process(server.process.pid).children(recursive=True)

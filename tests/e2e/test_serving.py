@@ -108,7 +108,9 @@ def test_unary_and_stream_agree_and_usage_counts_tokens(smollm_server: ServerPro
     assert all(c.finish_reason is None for c in chunks[:-1])
 
 
-def test_stop_string_cuts_the_text(smollm_server: ServerProcess, reference: dict[str, tuple[str, list[int]]]) -> None:
+def test_stop_string_cuts_the_text(
+    smollm_server: ServerProcess, reference: dict[str, tuple[str, list[int]]]
+) -> None:
     full_text, _ = reference["List three prime numbers."]
     words = full_text.split()
     assert len(words) >= 3, full_text
@@ -197,7 +199,9 @@ def test_small_kv_pool_preempts_but_every_result_is_unchanged(
     reference: dict[str, tuple[str, list[int]]],
 ) -> None:
     # 12 blocks of 16 tokens: room for about three of these requests at once.
-    server = start_server("--dtype", "float32", "--metrics-port", "0", "--num-kv-blocks", "12", "--block-size", "16")
+    server = start_server(
+        "--dtype", "float32", "--metrics-port", "0", "--num-kv-blocks", "12", "--block-size", "16"
+    )
     try:
         with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool, Client(server.target) as client:
             results = list(pool.map(lambda p: chat(client, p), PROMPTS))
@@ -212,7 +216,9 @@ def test_small_kv_pool_preempts_but_every_result_is_unchanged(
 
 
 def test_health_is_not_serving_until_the_worker_is_ready_and_env_flags_apply() -> None:
-    server = start_server("--metrics-port", "0", env={"DUOSERVE_DTYPE": "bfloat16", "DUOSERVE_BLOCK_SIZE": "8"}, wait=False)
+    server = start_server(
+        "--metrics-port", "0", env={"DUOSERVE_DTYPE": "bfloat16", "DUOSERVE_BLOCK_SIZE": "8"}, wait=False
+    )
     seen: list[str] = []
     refused_before_ready: list[grpc.StatusCode] = []
     try:

@@ -40,16 +40,27 @@ def test_worker_config_checks_its_flags() -> None:
     config = worker_config(args)
     assert config.scheduler_address == "tcp://127.0.0.1:5555" and config.sbo
     with pytest.raises(ValueError, match="--kv-cache-memory"):
-        worker_config(parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--kv-cache-memory", "2"]))
+        worker_config(
+            parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--kv-cache-memory", "2"])
+        )
 
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
     args = parse(["serve", "--model", "m.gguf", "--no-sbo", "--block-size", "32", "--dtype", "bfloat16"])
     scheduler = scheduler_config(args)
     worker = worker_config(args, scheduler_address=scheduler.worker_address)
-    child = build_parser({}).parse_args(["scheduler", "--model", "m.gguf", *flags_to_argv(SCHEDULER_FLAGS, scheduler)])
+    child = build_parser({}).parse_args(
+        ["scheduler", "--model", "m.gguf", *flags_to_argv(SCHEDULER_FLAGS, scheduler)]
+    )
     assert scheduler_config(child) == scheduler
     child_w = build_parser({}).parse_args(
-        ["worker", "--model", "m.gguf", "--scheduler-address", scheduler.worker_address, *flags_to_argv(WORKER_FLAGS, worker)]
+        [
+            "worker",
+            "--model",
+            "m.gguf",
+            "--scheduler-address",
+            scheduler.worker_address,
+            *flags_to_argv(WORKER_FLAGS, worker),
+        ]
     )
     assert worker_config(child_w) == worker

@@ -25,7 +25,9 @@ def make_request(seq_id: int, prompt_len: int, arrival: float | None = None) -> 
 def make_planner(
     num_blocks: int, block_size: int, budget: int = 1000, chunk: int = 1000, inflight: int = 1, seqs: int = 64
 ) -> BatchPlanner:
-    limits = PlannerLimits(max_batched_tokens=budget, max_num_seqs=seqs, prefill_chunk=chunk, max_inflight=inflight)
+    limits = PlannerLimits(
+        max_batched_tokens=budget, max_num_seqs=seqs, prefill_chunk=chunk, max_inflight=inflight
+    )
     return BatchPlanner(BlockManager(num_blocks, block_size), limits)
 
 
