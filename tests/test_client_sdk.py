@@ -535,8 +535,12 @@ def test_async_stream_stopped_early_cancels_the_call(fake: FakeServer, how: str)
 def test_cli_generate_prints_the_text(fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--target", fake.target, "generate", "hi", "--max-tokens", "3", "--stop", "a", "b"]) == 0
     assert capsys.readouterr() == ("Hello world\n", "")
-    (request,) = fake.servicer.script.requests
-    assert (request.prompt, request.max_tokens, list(request.stop)) == ("hi", 3, ["a", "b"])
+    assert main(["--target", fake.target, "generate", "hi", "--raw"]) == 0
+    as_chat, raw = fake.servicer.script.requests
+    # By default the prompt is one user turn of the chat template; --raw sends it as plain text.
+    assert [(m.role, m.content) for m in as_chat.messages] == [("user", "hi")] and as_chat.prompt == ""
+    assert (as_chat.max_tokens, list(as_chat.stop)) == (3, ["a", "b"])
+    assert (raw.prompt, list(raw.messages)) == ("hi", [])
 
 
 def test_cli_generate_stream_and_json(fake: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,8 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    generate = commands.add_parser("generate", help="complete a prompt")
+    generate = commands.add_parser(
+        "generate",
+        help="answer a prompt (sent as one user turn through the model's chat template; --raw: plain text)",
+    )
     generate.add_argument("prompt", metavar="PROMPT", help="the prompt; '-' reads it from stdin")
+    generate.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as plain text for the model to continue, without the chat template",
+    )
     _add_sampling_flags(generate)
 
     chat = commands.add_parser("chat", help="answer one user message with the chat template")
@@ -127,15 +135,19 @@ def _print_stream(chunks: Iterator[CompletionChunk], as_json: bool, out: TextIO)
 def _run(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.command in ("generate", "chat"):
         options = _sampling_options(args)
-        if args.command == "generate":
+        if args.command == "generate" and args.raw:
             prompt = _read_arg(args.prompt)
             if args.stream:
                 _print_stream(client.stream(prompt, timeout=args.timeout, **options), args.json, out)
             else:
                 _print_completion(client.generate(prompt, timeout=args.timeout, **options), args.json, out)
             return 0
-        messages = [Message("system", args.system)] if args.system else []
-        messages.append(Message("user", _read_arg(args.message)))
+        # An instruct model answers a bare prompt best as a user turn of its chat template.
+        system = getattr(args, "system", None)
+        messages = [Message("system", system)] if system else []
+        messages.append(
+            Message("user", _read_arg(args.prompt if args.command == "generate" else args.message))
+        )
         if args.stream:
             _print_stream(client.chat(messages, stream=True, timeout=args.timeout, **options), args.json, out)
         else:
