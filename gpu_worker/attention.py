@@ -2,8 +2,9 @@
 
 Invariant relied on everywhere: a step first writes its own K/V into the cache (by
 `slot_mapping`), then attends, so cached prefixes and this step's tokens are read alike.
-Grouped-query attention never materialises repeated K/V: for decodes the G query heads that
-share a KV head are laid along SDPA's query-length axis; prefill uses SDPA's `enable_gqa`.
+Decodes never materialise repeated K/V: the G query heads that share a KV head are laid along
+SDPA's query-length axis. Prefill chunks repeat their (small) K/V per query head instead, which
+keeps CPU SDPA on its flash kernel.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ def write_kv(
 ) -> None:
     """Store this step's keys/values ([T, Hkv, D]) into the paged caches ([blocks, block_size, Hkv, D])."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_put_((slot_mapping,), k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_put_((slot_mapping,), v)
 
 
 class TorchPagedAttention:
@@ -85,18 +86,30 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: PrefillAttention,
     ) -> torch.Tensor:  # [Tq, H, Dh]
-        queries = q.transpose(0, 1)  # [H, Tq, Dh]
         if meta.key_slots is None:  # no cached prefix: this step's K/V are the whole context
-            out = F.scaled_dot_product_attention(
-                queries, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-            )
+            keys, values, mask = k, v, None
         else:
             k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
             v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            keys = k_flat.index_select(0, meta.key_slots).transpose(0, 1)  # [Hkv, C, Dh]
-            values = v_flat.index_select(0, meta.key_slots).transpose(0, 1)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, enable_gqa=True)
-        return out.transpose(0, 1)  # [Tq, H, Dh]
+            keys = k_flat.index_select(0, meta.key_slots)  # [C, Hkv, Dh]
+            values = v_flat.index_select(0, meta.key_slots)
+            mask = meta.mask
+        # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, S, Dh].
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            self._repeat_heads(keys)[None],
+            self._repeat_heads(values)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+        )  # [1, H, Tq, Dh]
+        return out[0].transpose(0, 1)
+
+    def _repeat_heads(self, x: torch.Tensor) -> torch.Tensor:  # [C, Hkv, Dh] → [H, C, Dh]
+        # Materialised on purpose: with `enable_gqa` CPU SDPA falls back to its slow math kernel,
+        # and a prefill chunk's K/V is small next to its queries.
+        c = x.shape[0]
+        grouped = x.transpose(0, 1)[:, None].expand(self.num_kv_heads, self.group, c, self.head_dim)
+        return grouped.reshape(self.num_heads, c, self.head_dim)
 
     def _gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace

@@ -135,6 +135,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Llama-family causal LM whose forward reads and writes a paged KV cache."""
 
+    inv_freq: torch.Tensor  # [Dh / 2] float32 buffer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         device = torch.device(device)

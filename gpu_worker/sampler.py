@@ -4,10 +4,11 @@ Order of operations per row: repetition penalty (HF style, prompt + output token
 frequency penalties (OpenAI style, output tokens only), then greedy argmax when temperature is 0,
 else temperature, top-k, top-p, min-p and a draw. Logprobs always describe the raw model logits.
 
-A draw is argmax(p / E) with E ~ Exp(1) per vocabulary entry ("exponential race"), which picks
-token i with probability p_i. A seeded row takes its E from a generator seeded with
-(seed, number of tokens already generated), over the whole vocabulary in token-id order, so
-its token depends on nothing else in the batch and repeats exactly when the step is recomputed.
+A draw inverts the row's cumulative distribution (over the whole vocabulary, in token-id order)
+at one uniform number. A seeded row takes that number from a generator seeded with (seed, number
+of tokens already generated), so its token depends on nothing else in the batch and repeats
+exactly when the step is recomputed. (One uniform per row instead of an exponential race's one
+per vocabulary entry: drawing 3M exponentials costs more than the forward pass on a CPU.)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
+TOP_P_CANDIDATES = 1024  # first guess at how many ranked tokens a top-p-only row needs
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,37 +88,42 @@ class Sampler:
             return SamplerOutput([], [])
         params = [r.params for r in rows]
         scores = apply_penalties(logits, rows)  # [S, V]
-        chosen = scores.argmax(dim=-1)  # [S]; final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
+        if not random_rows:
+            chosen = _argmax(scores)
+        elif len(random_rows) == len(rows):
+            chosen = self._draw(scores, rows)
+        else:
+            chosen = _argmax(scores)
             index = torch.tensor(random_rows, device=logits.device)
             picked = self._draw(scores.index_select(0, index), [rows[i] for i in random_rows])
             chosen = chosen.index_copy(0, index, picked)
-        token_ids = chosen.tolist()
-        return SamplerOutput(token_ids, compute_logprobs(logits, chosen, params))
+        return SamplerOutput(chosen.tolist(), compute_logprobs(logits, chosen, params))
 
     def _draw(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [R] int64
         temps = torch.tensor([r.params.temperature for r in rows], device=scores.device)
-        probs = filtered_probs(scores / temps[:, None], [r.params for r in rows])  # [R, V], zero = filtered
-        noise = self._exponential_noise(probs.shape, rows, probs.device)  # [R, V]
-        return (probs / noise).argmax(dim=-1)
+        weights = filtered_weights(scores / temps[:, None], [r.params for r in rows])  # [R, V]
+        # Unnormalised on purpose: every weight is computed elementwise from the row's own scores,
+        # so a seeded row's cdf has the same bits whatever else is in the batch.
+        cdf = weights.cumsum(dim=-1)  # [R, V]
+        targets = self._uniforms(rows, weights.device) * cdf[:, -1]  # [R], in [0, total)
+        picked = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]  # first cdf > target
+        # Zero-weight tokens never raise the cdf, so they are never first past the target; only
+        # rounding at the very top can run off the end, where the likeliest token stands in.
+        picked = picked.clamp_max_(weights.shape[1] - 1)
+        valid = weights.gather(1, picked[:, None])[:, 0] > 0
+        if bool(valid.all()):
+            return picked
+        return torch.where(valid, picked, _argmax(weights))
 
-    def _exponential_noise(
-        self, shape: torch.Size, rows: Sequence[SamplingRow], device: torch.device
-    ) -> torch.Tensor:
-        noise = torch.empty(shape, device=device)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            block = torch.empty((len(unseeded), shape[1]), device=device)
-            block.exponential_(generator=self._generator(device))
-            noise[unseeded] = block
+    def _uniforms(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:  # [R] in [0, 1)
+        values = torch.rand(len(rows), generator=self._generator(device), device=device)
         for i, row in enumerate(rows):
             if row.params.seed is not None:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(row_seed(row.params.seed, len(row.output_token_ids)))
-                noise[i].exponential_(generator=gen)
-        # exponential_ may return exactly 0; a tiny floor keeps p / E finite and filtered rows at 0.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+                values[i] = torch.rand((), generator=gen, device=device)
+        return values
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -131,83 +138,128 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [S, V]
-    """Repetition (prompt + output), presence and frequency (output) penalties; `logits` is untouched."""
-    num_rows, vocab = logits.shape
+    """Repetition (prompt + output), presence and frequency (output) penalties; `logits` is untouched.
+
+    Work is proportional to the history lengths: only the (row, token) entries that occur are read
+    and rewritten, never a dense [S, V] mask.
+    """
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     additive = [
         i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
     ]
     if not rep and not additive:
         return logits
+    vocab = logits.shape[1]
     scores = logits.clone()
-    device = logits.device
+    flat = scores.view(-1)  # entry (row, token) at row * V + token
     if rep:
         history = [(i, rows[i].prompt_token_ids) for i in rep] + [(i, rows[i].output_token_ids) for i in rep]
-        seen = _token_counts(history, num_rows, vocab, device) > 0  # [S, V]
-        penalty = torch.ones(num_rows, 1, device=device)
-        penalty[rep, 0] = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device)
-        penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
-        scores = torch.where(seen, penalized, scores)
+        seen = np.unique(_flat_indices(history, vocab))  # each occurring entry once
+        penalty = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)[seen // vocab]
+        index, factor = _tensor(seen, scores.device), _tensor(penalty, scores.device)
+        values = flat[index]
+        flat[index] = torch.where(values > 0, values / factor, values * factor)
     if additive:
-        counts = _token_counts([(i, rows[i].output_token_ids) for i in additive], num_rows, vocab, device)
-        presence = torch.zeros(num_rows, 1, device=device)
-        frequency = torch.zeros(num_rows, 1, device=device)
-        presence[additive, 0] = torch.tensor(
-            [rows[i].params.presence_penalty for i in additive], device=device
+        occurrences = _flat_indices([(i, rows[i].output_token_ids) for i in additive], vocab)
+        distinct = np.unique(occurrences)
+        presence = np.array([r.params.presence_penalty for r in rows], dtype=np.float32)
+        frequency = np.array([r.params.frequency_penalty for r in rows], dtype=np.float32)
+        # presence once per distinct token, frequency once per occurrence
+        flat.index_add_(
+            0, _tensor(distinct, scores.device), _tensor(-presence[distinct // vocab], scores.device)
         )
-        frequency[additive, 0] = torch.tensor(
-            [rows[i].params.frequency_penalty for i in additive], device=device
+        flat.index_add_(
+            0, _tensor(occurrences, scores.device), _tensor(-frequency[occurrences // vocab], scores.device)
         )
-        scores -= presence * (counts > 0) + frequency * counts
     return scores
 
 
-def _token_counts(
-    lists: Sequence[tuple[int, Sequence[int]]], num_rows: int, vocab: int, device: torch.device
-) -> torch.Tensor:  # [S, V] float32: how often each token occurs in the row's given lists
+def _flat_indices(lists: Sequence[tuple[int, Sequence[int]]], vocab: int) -> np.ndarray:  # [N] int64
     arrays = [np.asarray(ids, dtype=np.int64) for _, ids in lists]
-    row_of = np.repeat(np.array([row for row, _ in lists], dtype=np.int64), [a.size for a in arrays])
-    flat = torch.from_numpy(row_of * vocab + np.concatenate([*arrays, np.empty(0, np.int64)])).to(device)
-    return torch.bincount(flat, minlength=num_rows * vocab).view(num_rows, vocab).float()
+    rows = np.repeat(np.array([row for row, _ in lists], dtype=np.int64), [a.size for a in arrays])
+    return rows * vocab + np.concatenate([*arrays, np.empty(0, np.int64)])
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] → [R]
+    # Same first-index tie rule as argmax, and several times faster on CPU.
+    return x.max(dim=-1).indices
 
 
 def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [R, V]
-    """Softmax after top-k, top-p and min-p filtering (filtered tokens get probability 0).
+    """Softmax after top-k, top-p and min-p filtering (filtered tokens get probability 0)."""
+    weights = filtered_weights(scores, params)
+    return weights / weights.sum(dim=-1, keepdim=True)
 
-    Only rows that use top-k or top-p look at sorted candidates, and the candidate count is the
-    largest k among them; a full sort happens only when a row asks for top-p without top-k.
+
+def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [R, V]
+    """exp(score - row max) after top-k, top-p and min-p filtering; 0 where filtered, 1 for the best token.
+
+    Only rows that use top-k or top-p look at ranked candidates. There are as many as the largest
+    top-k, or for top-p without top-k a first guess of TOP_P_CANDIDATES, widened to the whole
+    vocabulary only when some row's guess holds less than its top_p of the mass (a full sort is rare).
     """
-    vocab = scores.shape[1]
-    probs = torch.softmax(scores, dim=-1)  # [R, V]
     ranked = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
-    if ranked:
-        ks = [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in ranked]
-        index = torch.tensor(ranked, device=scores.device)
-        top_scores, top_ids = scores.index_select(0, index).topk(max(ks), dim=-1)  # [Rk, K], sorted
-        keep = _top_k_top_p_keep(top_scores, ks, [params[i].top_p for i in ranked])  # [Rk, K]
-        kept_scores = torch.full((len(ranked), vocab), float("-inf"), device=scores.device)
-        kept_scores.scatter_(1, top_ids, top_scores.masked_fill(~keep, float("-inf")))
-        probs[ranked] = torch.softmax(kept_scores, dim=-1)
+    if not ranked:
+        weights = _relative_exp(scores)
+    elif len(ranked) == len(params):
+        weights = _ranked_weights(scores, params)
+    else:
+        ranked_set = set(ranked)
+        plain = [i for i in range(len(params)) if i not in ranked_set]
+        weights = torch.empty_like(scores)
+        weights[plain] = _relative_exp(scores[plain])
+        weights[ranked] = _ranked_weights(scores[ranked], [params[i] for i in ranked])
     min_p = torch.tensor([p.min_p for p in params], device=scores.device)
     if bool((min_p > 0).any()):
-        # Relative to the most likely token, so renormalisation after top-k/top-p does not matter.
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+        # The best token weighs 1, so min_p is directly the weight threshold (relative, so
+        # renormalisation after top-k/top-p does not matter).
+        weights = weights.masked_fill(weights < min_p[:, None], 0.0)
+    return weights
+
+
+def _relative_exp(scores: torch.Tensor) -> torch.Tensor:  # [R, V]
+    return (scores - scores.amax(dim=-1, keepdim=True)).exp_()
+
+
+def _ranked_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [Rk, V]
+    vocab = scores.shape[1]
+    ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    width = min(vocab, max(k if k < vocab else TOP_P_CANDIDATES for k in ks))
+    top_scores, top_ids = scores.topk(width, dim=-1)  # [Rk, K], sorted
+    # A top-p-only row's top_p is a share of the whole vocabulary's mass, not the candidates'.
+    full_lse = scores.logsumexp(dim=-1)  # [Rk]
+    if width < max(ks):
+        mass = (top_scores - full_lse[:, None]).exp().sum(dim=-1).tolist()
+        if any(k == vocab and m < p for k, m, p in zip(ks, mass, top_ps, strict=True)):
+            top_scores, top_ids = scores.topk(vocab, dim=-1)
+        # Otherwise every token past the candidates lies beyond the top-p cut anyway.
+    keep = _top_k_top_p_keep(top_scores, ks, top_ps, [k < vocab for k in ks], full_lse)  # [Rk, K]
+    kept = (top_scores - top_scores[:, :1]).exp_().masked_fill_(~keep, 0.0)  # [Rk, K]
+    return torch.zeros_like(scores).scatter_(1, top_ids, kept)
 
 
 def _top_k_top_p_keep(
-    top_scores: torch.Tensor, ks: Sequence[int], top_ps: Sequence[float]
+    top_scores: torch.Tensor,  # [Rk, K] descending
+    ks: Sequence[int],
+    top_ps: Sequence[float],
+    has_top_k: Sequence[bool],
+    full_lse: torch.Tensor,  # [Rk] logsumexp over the whole vocabulary
 ) -> torch.Tensor:  # [Rk, K] bool
-    width = top_scores.shape[1]
     device = top_scores.device
-    rank = torch.arange(width, device=device)[None, :]  # [1, K]
+    rank = torch.arange(top_scores.shape[1], device=device)[None, :]  # [1, K]
     keep = rank < torch.tensor(ks, device=device)[:, None]
     top_p = torch.tensor(top_ps, device=device)[:, None]  # [Rk, 1]
     if bool((top_p < 1.0).any()):
-        # Renormalised over the top-k survivors, as when top-p follows top-k.
-        probs = torch.softmax(top_scores.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # [Rk, K]: mass of strictly better tokens
+        kept = top_scores.masked_fill(~keep, float("-inf"))
+        # With top-k, top-p sees the distribution renormalised over the top-k survivors.
+        lse = torch.where(torch.tensor(has_top_k, device=device), kept.logsumexp(dim=-1), full_lse)
+        probs = (kept - lse[:, None]).exp()  # [Rk, K]
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         keep &= mass_before < top_p  # always keeps rank 0
     return keep
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ class PagedHarness:
         return [s.tokens[s.prompt_len :] for s in seqs]
 
 
-def _reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+def _reference_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf_model.generate(
         ids,
@@ -123,7 +124,7 @@ def _reference_greedy(hf_model: torch.nn.Module, prompt: list[int], max_new_toke
     return out[0, len(prompt) :].tolist()
 
 
-TINY_VARIANTS = {
+TINY_VARIANTS: dict[int, dict[str, Any]] = {
     8: {},
     16: {
         "rope_scaling": {

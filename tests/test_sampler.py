@@ -91,25 +91,32 @@ def test_unfiltered_sampling_follows_the_distribution() -> None:
     torch.testing.assert_close(freq, probs, atol=0.04, rtol=0)
 
 
-def test_seeded_row_is_independent_of_batch_and_repeats_on_recompute() -> None:
+SEEDED_VARIANTS = [
+    SamplingParams(temperature=1.0, seed=1234),
+    SamplingParams(temperature=0.7, seed=99, top_k=40),
+    SamplingParams(temperature=1.3, seed=7, top_p=0.9),
+    SamplingParams(temperature=1.0, seed=2**40, top_k=300, top_p=0.8, min_p=0.01),
+]
+
+
+@pytest.mark.parametrize("params", SEEDED_VARIANTS)
+def test_seeded_row_is_independent_of_batch_and_repeats_on_recompute(params: SamplingParams) -> None:
     gen = torch.Generator().manual_seed(5)
-    target = torch.randn(1, 1000, generator=gen)
-    seeded = SamplingRow(
-        SamplingParams(temperature=1.0, seed=1234), prompt_token_ids=[1, 2], output_token_ids=[7, 8]
-    )
+    target = torch.randn(1, 2000, generator=gen) * 2
+    seeded = SamplingRow(params, prompt_token_ids=[1, 2], output_token_ids=[7, 8])
     alone = Sampler().sample(target, [seeded]).token_ids[0]
     for trial in range(4):
-        others = torch.randn(3 + trial, 1000, generator=gen)
+        others = torch.randn(2 + trial, 2000, generator=gen) * 2
         batch = torch.cat([others[:2], target, others[2:]])
-        rows = _rows([SamplingParams(temperature=0.8, top_k=50 + trial, top_p=0.9)] * others.shape[0])
+        rows = _rows([SamplingParams(temperature=0.8, top_k=50 + 600 * trial, top_p=0.9)] * (2 + trial))
         rows.insert(2, seeded)
-        assert Sampler().sample(batch, rows).token_ids[2] == alone
+        assert Sampler(seed=trial).sample(batch, rows).token_ids[2] == alone
     # A different output index is a different draw: over many indices the tokens vary.
     draws = {
-        Sampler().sample(target, [SamplingRow(seeded.params, [1, 2], list(range(n)))]).token_ids[0]
+        Sampler().sample(target, [SamplingRow(params, [1, 2], list(range(n)))]).token_ids[0]
         for n in range(30)
     }
-    assert len(draws) > 5
+    assert len(draws) > 3
 
 
 def test_logprobs_match_log_softmax_of_raw_logits() -> None:
@@ -131,3 +138,41 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
     values, ids = reference[1].topk(4)
     assert second.top_token_ids == ids.tolist()
     torch.testing.assert_close(torch.tensor(second.top_logprobs), values)
+
+
+def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Straightforward full-sort top-k → top-p → min-p on one row of scores."""
+    order = row.argsort(descending=True).tolist()
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    probs = torch.softmax(row[order], dim=0)
+    kept, mass = [], 0.0
+    for token, prob in zip(order, probs.tolist(), strict=True):
+        if p.top_p < 1.0 and mass >= p.top_p:
+            break
+        kept.append((token, prob))
+        mass += prob
+    best = max(prob for _, prob in kept)
+    return {token for token, prob in kept if prob >= p.min_p * best}
+
+
+@pytest.mark.parametrize("spread", [0.5, 4.0])  # flat rows need the full sort, peaked ones do not
+def test_filtering_matches_full_sort_reference(spread: float) -> None:
+    vocab = 3000  # more than the top-p first guess of candidates
+    scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * spread
+    scores = scores.float()
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.2),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=1.0, top_k=2000, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.5),
+        SamplingParams(temperature=1.0),
+    ]
+    probs = filtered_probs(scores, params)
+    for i, p in enumerate(params):
+        kept = set(torch.nonzero(probs[i]).flatten().tolist())
+        assert kept == _reference_kept(scores[i], p), f"row {i}: {p}"
+        torch.testing.assert_close(
+            probs[i].sum(), torch.tensor(1.0), atol=1e-5, rtol=0
+        ) if p.min_p == 0 else None
