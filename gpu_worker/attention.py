@@ -9,6 +9,8 @@ keeps CPU SDPA on its flash kernel.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,7 @@ def write_kv(
 
 
 class TorchPagedAttention:
-    """CPU/reference paged attention. Holds a gather workspace, so one forward at a time per instance."""
+    """CPU/reference paged attention. Keeps a decode gather workspace per calling thread."""
 
     name = "torch"
 
@@ -36,8 +38,9 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         # Reused across layers and steps: allocating tens of MB per layer costs more than the
-        # attention itself on CPU (fresh pages fault in on every step).
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # attention itself on CPU (fresh pages fault in on every step). Per thread, so forwards
+        # running on two threads (two lanes) never share a buffer.
+        self._local = threading.local()
 
     def __call__(
         self,
@@ -112,11 +115,11 @@ class TorchPagedAttention:
         return grouped.reshape(self.num_heads, c, self.head_dim)
 
     def _gather_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ws = self._workspace
+        ws: tuple[torch.Tensor, torch.Tensor] | None = getattr(self._local, "workspace", None)
         if ws is None or ws[0].shape[0] < rows or ws[0].dtype != like.dtype or ws[0].device != like.device:
             # Grow geometrically: decode contexts lengthen by one token per step.
             grown = rows if ws is None else max(rows, ws[0].shape[0] * 3 // 2)
             shape = (grown, self.num_kv_heads, self.head_dim)
             ws = (like.new_empty(shape), like.new_empty(shape))
-            self._workspace = ws
+            self._local.workspace = ws
         return ws[0][:rows], ws[1][:rows]

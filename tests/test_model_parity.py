@@ -110,6 +110,46 @@ class PagedHarness:
         return [s.tokens[s.prompt_len :] for s in seqs]
 
 
+def test_forward_batch_layout_exact() -> None:
+    chunks = [
+        ScheduledChunk([10, 11, 12], start_position=5, block_table=[7, 2], needs_logits=True),  # prefill
+        ScheduledChunk([20], start_position=3, block_table=[4], needs_logits=True),  # decode
+        ScheduledChunk([30, 31], start_position=0, block_table=[9], needs_logits=False),  # mid-prompt
+        ScheduledChunk([40], start_position=4, block_table=[1, 6], needs_logits=True),  # decode
+    ]
+    batch = build_forward_batch(chunks, block_size=4, device="cpu")
+    assert batch.chunk_order == (1, 3, 0, 2)  # decodes first, then prefills, each in caller order
+    assert batch.input_ids.tolist() == [20, 40, 10, 11, 12, 30, 31]
+    assert batch.positions.tolist() == [3, 4, 5, 6, 7, 0, 1]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert batch.slot_mapping.tolist() == [
+        4 * 4 + 3,
+        6 * 4 + 0,
+        2 * 4 + 1,
+        2 * 4 + 2,
+        2 * 4 + 3,
+        9 * 4,
+        9 * 4 + 1,
+    ]
+    assert batch.logits_indices.tolist() == [4, 0, 1]  # caller order: chunk 0, 1, 3
+    assert batch.query_start_loc.tolist() == [0, 1, 2, 5, 7]
+    assert batch.context_lens.tolist() == [4, 5, 8, 2]
+    assert batch.block_tables.tolist() == [[4, 0], [1, 6], [7, 2], [9, 0]]
+    decode = batch.decode
+    assert decode is not None and decode.num_seqs == 2 and decode.max_context == 5
+    assert decode.key_slots.view(2, 5).tolist() == [
+        [16, 17, 18, 19, 0],
+        [4, 5, 6, 7, 24],
+    ]  # padding → block 0
+    assert decode.key_mask.view(2, 5).tolist() == [[True] * 4 + [False], [True] * 5]
+    first, second = batch.prefills
+    assert (first.token_start, first.num_tokens, first.start_position) == (2, 3, 5)
+    assert first.key_slots is not None and first.mask is not None
+    assert first.key_slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11]
+    assert first.mask.tolist() == [[j <= 5 + i for j in range(8)] for i in range(3)]
+    assert (second.token_start, second.num_tokens, second.key_slots, second.mask) == (5, 2, None, None)
+
+
 def _reference_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf_model.generate(
