@@ -381,6 +381,13 @@ def _hf_config(config_file: Path, raw: Mapping[str, Any], default_name: str) -> 
         raise ModelLoadError(f"{config_file}: hidden_act {act!r} is unsupported (only 'silu')")
     if raw.get("mlp_bias"):
         raise ModelLoadError(f"{config_file}: mlp_bias=true is unsupported")
+    window = raw.get("sliding_window")
+    if (
+        window is not None
+        and raw.get("use_sliding_window", True)
+        and window < raw.get("max_position_embeddings", 0)
+    ):
+        raise ModelLoadError(f"{config_file}: sliding_window={window} attention is unsupported")
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     # transformers 5 writes `rope_parameters`; 4.x wrote `rope_theta` and `rope_scaling`.
