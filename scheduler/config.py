@@ -28,8 +28,7 @@ class SchedulerConfig:
     max_inflight: int = 2
     max_queued_requests: int = 1024
     default_max_tokens: int = 256
-    shutdown_grace_s: float = 10.0
-    worker_ready_timeout_s: float = 600.0
+    shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
@@ -58,7 +57,7 @@ class SchedulerConfig:
         )
         _check(self.max_queued_requests >= 1, "--max-queued-requests", self.max_queued_requests, ">= 1")
         _check(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
-        _check(self.shutdown_grace_s >= 0, "--shutdown-grace", self.shutdown_grace_s, ">= 0")
+        _check(self.shutdown_grace >= 0, "--shutdown-grace", self.shutdown_grace, ">= 0")
         _check(
             self.worker_address.startswith(("ipc://", "tcp://")),
             "--worker-address",

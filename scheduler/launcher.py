@@ -130,6 +130,6 @@ def serve(args: Namespace) -> int:
             announced = True
         stop.wait(POLL_SECONDS if announced else 0.5)
     started = time.monotonic()
-    _stop(children, config.shutdown_grace_s)
+    _stop(children, config.shutdown_grace)
     log.info("stopped in %.1f s", time.monotonic() - started)
     return exit_code

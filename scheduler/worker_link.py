@@ -68,7 +68,8 @@ class WorkerLink:
         await self._socket.send_multipart([self._identity, message.SerializeToString()])
 
     def close(self) -> None:
-        self._socket.close(linger=0)
+        # A short linger lets a queued Shutdown reach the worker before the socket goes.
+        self._socket.close(linger=500)
         self._context.term()
         if self.address.startswith("ipc://"):
             Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)

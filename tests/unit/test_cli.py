@@ -64,3 +64,14 @@ def test_serve_passes_every_flag_through_to_its_children() -> None:
         ]
     )
     assert worker_config(child_w) == worker
+
+
+def test_every_flag_is_a_config_field() -> None:
+    from dataclasses import fields
+
+    from gpu_worker.config import WorkerConfig
+
+    scheduler_fields = {f.name for f in fields(SchedulerConfig)}
+    worker_fields = {f.name for f in fields(WorkerConfig)}
+    assert {f.dest for f in SCHEDULER_FLAGS} <= scheduler_fields
+    assert {f.dest for f in WORKER_FLAGS} <= worker_fields
