@@ -67,10 +67,10 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [D, H, Dh]
         num, length = meta.num_seqs, meta.max_context
         k_buf, v_buf = self._gather_buffers(num * length, k_cache)
-        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        torch.index_select(k_flat, 0, meta.key_slots, out=k_buf)  # [D * L, Hkv, Dh]
-        torch.index_select(v_flat, 0, meta.key_slots, out=v_buf)
+        # Whole blocks at a time: one contiguous copy per block instead of one per token.
+        blocks_shape = (meta.key_blocks.shape[0], *k_cache.shape[1:])  # [D * L / bs, bs, Hkv, Dh]
+        torch.index_select(k_cache, 0, meta.key_blocks, out=k_buf.view(blocks_shape))
+        torch.index_select(v_cache, 0, meta.key_blocks, out=v_buf.view(blocks_shape))
         keys = k_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [D, Hkv, L, Dh]
         values = v_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # q head h uses kv head h // G, so [D, H, Dh] → [D, Hkv, G, Dh] puts each group on the query axis.

@@ -26,13 +26,15 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class DecodeAttention:
-    """The single-query sequences (batch rows [0, num_seqs)), attended in one padded call."""
+    """The single-query sequences (batch rows [0, num_seqs)), attended in one padded call.
+
+    Keys are gathered whole blocks at a time (a block is one contiguous run of the cache),
+    so the context is padded up to whole blocks and the mask hides the padding.
+    """
 
     num_seqs: int  # D
-    max_context: int  # L: the longest context among them, this step's token included
-    key_slots: (
-        torch.Tensor
-    )  # [D * L] int64: cache slot of key j of row i at i * L + j (padding → slot of block 0)
+    max_context: int  # L: blocks per row * block_size, covering the longest context
+    key_blocks: torch.Tensor  # [D * L / block_size] int64: row i's block table, padded with block 0
     key_mask: torch.Tensor  # [D, 1, 1, L] bool: True where j < context length of row i
 
 
@@ -154,14 +156,14 @@ def _slots_of_positions(table: np.ndarray, positions: np.ndarray, block_size: in
 def _decode_attention(
     tables: np.ndarray, context_lens: np.ndarray, block_size: int, device: torch.device | str
 ) -> DecodeAttention:
-    num, max_context = len(context_lens), int(context_lens.max())
-    key_pos = np.broadcast_to(np.arange(max_context), (num, max_context))  # [D, L]
-    key_slots = _slots_of_positions(tables, key_pos, block_size)  # [D, L]
-    key_mask = key_pos < context_lens[:, None]  # [D, L]
+    num = len(context_lens)
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    max_context = num_blocks * block_size
+    key_mask = np.arange(max_context)[None, :] < context_lens[:, None]  # [D, L]
     return DecodeAttention(
         num_seqs=num,
         max_context=max_context,
-        key_slots=_to_device(key_slots.reshape(-1), device, torch.int64),
+        key_blocks=_to_device(tables[:, :num_blocks].reshape(-1), device, torch.int64),
         key_mask=_to_device(key_mask.reshape(num, 1, 1, max_context), device, torch.bool),
     )
 

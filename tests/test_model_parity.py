@@ -136,12 +136,10 @@ def test_forward_batch_layout_exact() -> None:
     assert batch.context_lens.tolist() == [4, 5, 8, 2]
     assert batch.block_tables.tolist() == [[4, 0], [1, 6], [7, 2], [9, 0]]
     decode = batch.decode
-    assert decode is not None and decode.num_seqs == 2 and decode.max_context == 5
-    assert decode.key_slots.view(2, 5).tolist() == [
-        [16, 17, 18, 19, 0],
-        [4, 5, 6, 7, 24],
-    ]  # padding → block 0
-    assert decode.key_mask.view(2, 5).tolist() == [[True] * 4 + [False], [True] * 5]
+    # Padded up to whole blocks of 4: two blocks per row; padding reads block 0 and is masked.
+    assert decode is not None and decode.num_seqs == 2 and decode.max_context == 8
+    assert decode.key_blocks.view(2, 2).tolist() == [[4, 0], [1, 6]]
+    assert decode.key_mask.view(2, 8).tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
     first, second = batch.prefills
     assert (first.token_start, first.num_tokens, first.start_position) == (2, 3, 5)
     assert first.key_slots is not None and first.mask is not None
