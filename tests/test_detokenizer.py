@@ -9,12 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.tokenizer import Tokenizer, default_model_path, load_tokenizer
+from scheduler.model_files import find_default_model
+from scheduler.tokenizer import Tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return load_tokenizer(default_model_path())
+    return load_tokenizer(find_default_model())
 
 
 def stream(

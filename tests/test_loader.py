@@ -15,10 +15,10 @@ from gpu_worker.loader import (
     ModelConfig,
     ModelLoadError,
     expected_shapes,
-    find_default_model,
     load_config,
     load_model,
 )
+from scheduler.model_files import find_default_model
 
 TINY_HF_CONFIG = {
     "model_type": "llama",

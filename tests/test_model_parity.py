@@ -12,8 +12,9 @@ import torch
 
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, find_default_model, load_model
+from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
+from scheduler.model_files import find_default_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from scheduler.tokenizer import Tokenizer, TokenizerLoadError, default_model_path, load_tokenizer
+from scheduler.model_files import find_default_model
+from scheduler.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
 
 # Text on which the GGUF tokenizer must give exactly transformers' ids.
 PARITY_TEXTS = [
@@ -53,13 +54,13 @@ CONVERSATIONS: list[list[tuple[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return load_tokenizer(default_model_path())
+    return load_tokenizer(find_default_model())
 
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
     transformers = pytest.importorskip("transformers")
-    path = default_model_path()
+    path = find_default_model()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
