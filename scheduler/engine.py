@@ -12,6 +12,7 @@ import enum
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +32,24 @@ class Admission(enum.Enum):
     NOT_READY = "not_ready"
     SHUTTING_DOWN = "shutting_down"
     QUEUE_FULL = "queue_full"
+
+
+@dataclass(slots=True)
+class WorkerTimes:
+    """Seconds the worker reported across all steps (see StepResult)."""
+
+    busy: float = 0.0  # forward + sampling
+    wait: float = 0.0  # idle while sequences were in flight
+    staging: float = 0.0
+    exposed_staging: float = 0.0
+    steps: int = 0
+
+    def add(self, result: worker_pb2.StepResult) -> None:
+        self.busy += result.compute_seconds
+        self.wait += result.wait_seconds
+        self.staging += result.staging_seconds
+        self.exposed_staging += result.exposed_staging_seconds
+        self.steps += 1
 
 
 class Engine:
@@ -57,6 +76,7 @@ class Engine:
         self._stopping = False
         self.worker_lost = False
         self.num_preemptions = 0
+        self.worker_times = WorkerTimes()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -222,6 +242,7 @@ class Engine:
             log.warning("ignoring the result of unknown step %d", result.step_id)
             return
         self._free_lanes.append(batch.lane)
+        self.worker_times.add(result)
         for request in self.outputs.process(batch, result):
             self._finish(request)
         self._dispatch()

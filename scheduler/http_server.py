@@ -42,7 +42,23 @@ class EngineCollector(Collector):
         preemptions = CounterMetricFamily(
             "duoserve_preemptions", "Running requests preempted for KV blocks", value=engine.num_preemptions
         )
-        yield from (queue, blocks, utilization, active, preemptions)
+        times = engine.worker_times
+        worker = (
+            CounterMetricFamily("duoserve_worker_busy_seconds", "Worker compute time", value=times.busy),
+            CounterMetricFamily(
+                "duoserve_worker_wait_seconds", "Worker idle time while work was in flight", value=times.wait
+            ),
+            CounterMetricFamily(
+                "duoserve_worker_staging_seconds", "Worker input staging time", value=times.staging
+            ),
+            CounterMetricFamily(
+                "duoserve_worker_exposed_staging_seconds",
+                "Staging time not hidden behind compute",
+                value=times.exposed_staging,
+            ),
+            CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
+        )
+        yield from (queue, blocks, utilization, active, preemptions, *worker)
 
 
 def _handler(registry: CollectorRegistry, is_ready: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:

@@ -13,6 +13,7 @@ import pytest
 
 from duoserve_client import Client
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
+from duoserve_client.errors import DeadlineExceededError
 from tests.e2e.harness import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
@@ -140,6 +141,20 @@ def test_cancelled_stream_frees_its_blocks(smollm_server: ServerProcess) -> None
             if index == 3:
                 break
         stream.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            values = metrics(smollm_server)
+            if values['duoserve_kv_cache_blocks{state="used"}'] == 0:
+                break
+            time.sleep(0.1)
+    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+    assert values['duoserve_queue_size{queue="running"}'] == 0
+
+
+def test_expired_deadline_aborts_the_request_and_frees_its_blocks(smollm_server: ServerProcess) -> None:
+    with Client(smollm_server.target, retries=0) as client:
+        with pytest.raises(DeadlineExceededError):
+            client.generate("Count from one to one thousand:", max_tokens=2000, ignore_eos=True, timeout=1.0)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             values = metrics(smollm_server)
