@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +108,7 @@ class RunSummary:
     e2e_p50: float | None = None
     e2e_p99: float | None = None
     first_error: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -211,14 +214,19 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def launched_server(config: ServerConfig, args: argparse.Namespace, log_dir: Path) -> Iterator[str]:
-    """Start ``duoserve serve`` with this config, wait for SERVING, yield its target, then SIGTERM it."""
+def launched_server(
+    config: ServerConfig, args: argparse.Namespace, log_dir: Path
+) -> Iterator[tuple[str, str | None]]:
+    """Start ``duoserve serve`` with this config, wait for SERVING, yield (target, metrics URL), then SIGTERM it."""
     duoserve = Path(sys.executable).parent / "duoserve"
     port = _free_port()
     command = [str(duoserve), "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port)]
     help_text = subprocess.run([str(duoserve), "serve", "--help"], capture_output=True, text=True).stdout
+    metrics_url = None
     if "--metrics-port" in help_text:
-        command += ["--metrics-port", str(_free_port())]
+        metrics_port = _free_port()
+        command += ["--metrics-port", str(metrics_port)]
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     command += ["--dtype", config.dtype, *config.flags, *shlex.split(args.server_args)]
     log_path = log_dir / f"server-{len(list(log_dir.glob('server-*.log')))}.log"
     print(f"# launching: {shlex.join(command)}  (log: {log_path})", flush=True)
@@ -239,7 +247,7 @@ def launched_server(config: ServerConfig, args: argparse.Namespace, log_dir: Pat
                         raise RuntimeError(
                             f"server not SERVING after {args.startup_timeout:g} s:\n{_log_tail(log_path)}"
                         ) from None
-        yield target
+        yield target, metrics_url
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -249,12 +257,44 @@ def launched_server(config: ServerConfig, args: argparse.Namespace, log_dir: Pat
             process.wait()
 
 
+WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging")
+
+
+def worker_seconds(metrics_url: str | None) -> dict[str, float]:
+    """The server's duoserve_worker_*_seconds_total counters (empty without a metrics endpoint)."""
+    if metrics_url is None:
+        return {}
+    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    values = {}
+    for name in WORKER_COUNTERS:
+        match = re.search(rf"^duoserve_worker_{name}_seconds_total (\S+)$", text, re.MULTILINE)
+        if match:
+            values[name] = float(match.group(1))
+    return values
+
+
+def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How the worker spent one run: compute, idle waiting for the scheduler, staging (and its exposed part)."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    if {"busy", "wait"} <= delta.keys():
+        idle = delta["wait"] / max(delta["wait"] + delta["busy"], 1e-9)
+        exposed = delta.get("exposed_staging", 0.0) / max(delta.get("staging", 0.0), 1e-9)
+        print(
+            f"#   worker: busy {delta['busy']:.2f} s, waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
+            f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}",
+            flush=True,
+        )
+    return delta
+
+
 def bench_server(
     target: str,
     label: str,
     args: argparse.Namespace,
     workloads: dict[str, list[list[int]]],
     specs: dict[str, WorkloadSpec],
+    metrics_url: str | None = None,
 ) -> tuple[list[RunSummary], dict[str, Any], dict[str, list[list[int]]]]:
     """Every workload x mode against one server; also its ModelInfo and the offline outputs."""
     with Client(target) as client:
@@ -268,9 +308,11 @@ def bench_server(
         for rate in [None, *args.rate] if len(prompts) > 1 else [None]:
             mode = "offline" if rate is None else f"poisson@{rate:g}/s"
             requests = build_requests(prompts, specs[name].output_len, rate, args.seed)
+            before = worker_seconds(metrics_url)
             results = asyncio.run(run_duoserve(target, requests, args.request_timeout))
             summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
             print_rows(summaries[-1:])
+            summaries[-1].extra["worker_seconds"] = print_worker_split(before, worker_seconds(metrics_url))
             if rate is None:
                 outputs[name] = [r.token_ids for r in results]
     return summaries, info, outputs
@@ -426,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--server", metavar="ADDR", help="benchmark a running server instead of launching one")
+    p.add_argument(
+        "--metrics-url", help="with --server: its /metrics URL, to report how the worker spent each run"
+    )
     where.add_argument("--launch", action="store_true", default=True, help="launch each config (default)")
     p.add_argument("--configs", nargs="+", metavar="K=V[,K=V]", help="server configs, e.g. dtype=bfloat16")
     p.add_argument("--dtype", default="auto", help="dtype when --configs is not given (default auto)")
@@ -488,9 +533,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_header()
     for config in [] if args.transformers_only else configs:
         with contextlib.ExitStack() as stack:
-            target = args.server or stack.enter_context(launched_server(config, args, log_dir))
+            if args.server:
+                target, metrics_url = args.server, args.metrics_url
+            else:
+                target, metrics_url = stack.enter_context(launched_server(config, args, log_dir))
             label = f"server={args.server}" if args.server else config.label
-            runs, info, served_outputs = bench_server(target, label, args, workloads, specs)
+            runs, info, served_outputs = bench_server(target, label, args, workloads, specs, metrics_url)
         summaries += runs
         infos[label] = info
         for name, ids in served_outputs.items():
