@@ -31,12 +31,12 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m protos.generate --check
+	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py clients/python/duoserve_client
 	$(PY) -m pytest -q -ra
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy scheduler gpu_worker kernels clients/python/duoserve_client
+	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py clients/python/duoserve_client
 
 protos: $(STAMP)
 	$(PY) -m protos.generate

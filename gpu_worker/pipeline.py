@@ -123,7 +123,7 @@ class StepPipeline:
     # ------------------------------------------------------------------ SBO on
 
     def _run_overlapped(self) -> None:
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         results_in = context.socket(zmq.PULL)
         results_in.bind(_RESULTS_ADDRESS)
         results_out = context.socket(zmq.PUSH)

@@ -100,9 +100,10 @@ class ModelRunner:
             self.seqs[new.seq_id] = state
             scheduled.append((state, new.num_new_tokens))
         for running in step.running:
-            state = self.seqs.get(running.seq_id)
-            if state is None:
+            known = self.seqs.get(running.seq_id)
+            if known is None:
                 raise StepError(f"step {step.step_id}: sequence {running.seq_id} is not on this worker")
+            state = known
             if state.num_computed != running.num_computed_tokens:
                 raise StepError(
                     f"step {step.step_id}: sequence {running.seq_id} has {state.num_computed} computed tokens "

@@ -141,7 +141,7 @@ def run_worker(config: WorkerConfig) -> int:
         time.perf_counter() - started,
     )
 
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(config.scheduler_address)

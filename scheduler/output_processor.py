@@ -29,7 +29,7 @@ class OutputProcessor:
 
     def process(self, batch: InflightBatch, result: worker_pb2.StepResult) -> list[Request]:
         """Apply `result` to the batch's requests; returns those that finished."""
-        by_seq = {}
+        by_seq: dict[int, Request] = {}
         for scheduled in batch.seqs:
             request = scheduled.request
             request.in_flight = False
@@ -40,8 +40,8 @@ class OutputProcessor:
         assert len(seq_ids) == len(token_ids), "step result: seq_ids and token_ids differ in length"
         finished = [r for r in by_seq.values() if r.aborted]
         for seq_id, token_id in zip(seq_ids.tolist(), token_ids.tolist(), strict=True):
-            request = by_seq.get(seq_id)
-            assert request is not None, f"step {batch.step_id}: result for sequence {seq_id} it did not carry"
+            assert seq_id in by_seq, f"step {batch.step_id}: result for sequence {seq_id} it did not carry"
+            request = by_seq[seq_id]
             if request.aborted:
                 continue
             logprobs = result.logprobs.get(seq_id) if seq_id in result.logprobs else None
