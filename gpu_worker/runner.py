@@ -42,7 +42,6 @@ class StagedStep:
     lane: int
     batch: ForwardBatch | None  # None for a step that only releases sequences
     sampled: list[SeqState]  # sequences sampling a token, in logits-row order
-    num_tokens: int = 0
     staging_seconds: float = 0.0
     staged_at: float = field(default_factory=time.perf_counter)
 
@@ -139,7 +138,6 @@ class ModelRunner:
             lane=step.lane,
             batch=batch,
             sampled=sampled,
-            num_tokens=sum(n for _, n in scheduled),
             staging_seconds=time.perf_counter() - started,
         )
 

@@ -158,10 +158,6 @@ class Engine:
         # In flight: freed when that batch's result comes back.
 
     @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
-    @property
     def num_inflight_batches(self) -> int:
         return len(self._inflight)
 
@@ -214,7 +210,7 @@ class Engine:
                 )
             request.num_blocks_sent = len(table)
             request.in_flight = True
-        self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs, time.monotonic())
+        self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs)
         task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))
         task.add_done_callback(self._on_send_done)
 
@@ -276,8 +272,3 @@ class Engine:
             assert self.blocks.num_free_blocks == self.blocks.num_blocks, (
                 f"idle scheduler holds {self.blocks.num_used_blocks} KV blocks"
             )
-
-    def kv_stats(self) -> tuple[int, int]:
-        """(free blocks, total blocks) of the pool."""
-        assert self.blocks is not None
-        return self.blocks.num_free_blocks, self.blocks.num_blocks

@@ -17,7 +17,6 @@ class InflightBatch:
     step_id: int
     lane: int
     seqs: list[ScheduledSeq]
-    sent_at: float
 
 
 class OutputProcessor:

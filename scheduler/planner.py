@@ -38,10 +38,6 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
-
 
 class BatchPlanner:
     """Holds the prefill (waiting) queue and the running set, and plans steps."""
@@ -64,9 +60,6 @@ class BatchPlanner:
             self.running.remove(request)
         self.blocks.free(request.seq_id)
         request.state = RequestState.FINISHED
-
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(not r.in_flight for r in self.running)
 
     def plan(self) -> StepPlan | None:
         """The next step's sequences, or None when there is nothing to run now."""

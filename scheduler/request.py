@@ -31,7 +31,6 @@ class RequestParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
-    logprobs: int | None = None
     sampling: worker_pb2.SamplingParams = field(default_factory=worker_pb2.SamplingParams)
 
 
@@ -68,7 +67,6 @@ class Request:
     in_flight: bool = False  # part of a batch the worker has not answered yet
     aborted: bool = False
     num_preemptions: int = 0
-    first_token_time: float | None = None
     finish_reason: FinishReason | None = None
 
     @property

@@ -199,7 +199,6 @@ def validate_generate(
         stop=tuple(request.stop),
         stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
-        logprobs=request.logprobs if request.HasField("logprobs") else None,
         sampling=sampling,
     )
     return ids, params
