@@ -64,9 +64,10 @@ class EngineCollector(Collector):
 def _handler(registry: CollectorRegistry, is_ready: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            if self.path.split("?")[0] == "/metrics":
+            path = self.path.split("?")[0]
+            if path == "/metrics":
                 self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-            elif self.path.split("?")[0] == "/health":
+            elif path == "/health":
                 ready = is_ready()
                 self._reply(200 if ready else 503, b"ok\n" if ready else b"not ready\n", "text/plain")
             else:

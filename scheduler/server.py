@@ -92,21 +92,23 @@ class SchedulerServer:
         start = asyncio.create_task(self.engine.start())
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if start.done() and start.exception() is None:
-            await self._set_serving(True)
-            log.info("serving %s", self.engine.worker_info.model_name if self.engine.worker_info else "?")
-            await stopped
-        elif start.done():
+        # A stop signal before the worker is ready is a clean stop; a failed handshake is not.
+        failed = start.done() and start.exception() is not None
+        if failed:
             log.error("worker handshake failed: %s", start.exception())
-            stop.set()
+        elif start.done():
+            await self._set_serving(True)
+            log.info("serving %s", self.model_name)
+            await stopped
         start.cancel()
+        stopped.cancel()
         log.info("shutting down: draining for up to %.1f s", self.config.shutdown_grace)
         await self._set_serving(False)
         await self.engine.drain(self.config.shutdown_grace)
         await self.server.stop(grace=1.0)
         await self.engine.close()
         http.close()
-        return 0 if start.done() and not start.cancelled() and start.exception() is None else 1
+        return 1 if failed else 0
 
 
 def run_scheduler(config: SchedulerConfig) -> int:

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -52,3 +53,30 @@ def test_scheduler_and_worker_run_alone_over_tcp() -> None:
         log.seek(0)
         output = log.read().decode(errors="replace")
     assert "shutdown requested by the scheduler" in output, output[-3000:]
+
+
+def test_scheduler_stopped_before_any_worker_connects_exits_cleanly() -> None:
+    grpc_port = free_port()
+    scheduler = subprocess.Popen(
+        [
+            *(DUOSERVE, "scheduler", "--host", "127.0.0.1", "--port", str(grpc_port), "--metrics-port", "0"),
+            *("--worker-address", f"tcp://127.0.0.1:{free_port()}"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with Client(f"127.0.0.1:{grpc_port}", retries=0) as client:
+            status = "NO_ANSWER"
+            for _ in range(200):
+                try:
+                    status = client.health(timeout=1.0)
+                    break
+                except Exception:
+                    time.sleep(0.1)
+        assert status == "NOT_SERVING"
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(30) == 0
+    finally:
+        if scheduler.poll() is None:
+            scheduler.kill()
