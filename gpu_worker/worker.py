@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import setproctitle
 import torch
 import zmq
@@ -79,12 +80,13 @@ def plan_num_blocks(
     dtype: torch.dtype,
     configure: worker_pb2.Configure,
 ) -> int:
-    """KV blocks that fit the memory budget, capped by the scheduler's --num-kv-blocks."""
+    """KV blocks that fit the memory budget, capped by what the scheduler can use and its --num-kv-blocks."""
     fraction = config.kv_cache_memory or DEFAULT_KV_FRACTION[device.type]
     per_block = kv_cache_bytes_per_block(model_config, configure.block_size, dtype)
     num_blocks = int(free_memory_bytes(device) * fraction) // per_block
-    # More blocks than every context at full length can never be used.
-    num_blocks = min(num_blocks, -(-model_config.context_length // configure.block_size) * 256)
+    # Every sequence the scheduler may run at once, each at the full context length.
+    blocks_per_context = -(-model_config.context_length // configure.block_size)
+    num_blocks = min(num_blocks, blocks_per_context * max(configure.max_num_seqs, 1))
     if configure.max_blocks:
         num_blocks = min(num_blocks, configure.max_blocks)
     if num_blocks < 1:
@@ -93,31 +95,21 @@ def plan_num_blocks(
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:
-    """One prefill and one decode through the whole step path, so the first request pays no start-up cost."""
-    prompt = list(range(1, 1 + block_size + 1))
-    blocks = [0, min(1, len(runner.kv_cache[0][0]) - 1)]
-    for step_id, message in enumerate(
-        (
-            worker_pb2.Step(
-                new_sequences=[
-                    worker_pb2.NewSequence(
-                        seq_id=0,
-                        token_ids=torch.tensor(prompt, dtype=torch.int32).numpy().tobytes(),
-                        prompt_len=len(prompt),
-                        block_ids=torch.tensor(blocks, dtype=torch.int32).numpy().tobytes(),
-                        num_new_tokens=len(prompt),
-                    )
-                ]
-            ),
-            worker_pb2.Step(
-                running=[
-                    worker_pb2.RunningSequence(seq_id=0, num_computed_tokens=len(prompt), num_new_tokens=1)
-                ]
-            ),
-        )
-    ):
-        message.step_id = step_id
-        runner.execute(runner.stage(message))
+    """One prefill and one decode through the whole step path, so the first request pays no start-up cost.
+
+    Both fit in block 0, so even a one-block pool warms up; requests overwrite it later.
+    """
+    prompt = np.arange(1, block_size, dtype="<i4")  # block_size - 1 tokens, then one decode
+    prefill = worker_pb2.NewSequence(
+        seq_id=0,
+        token_ids=prompt.tobytes(),
+        prompt_len=len(prompt),
+        block_ids=np.zeros(1, dtype="<i4").tobytes(),
+        num_new_tokens=len(prompt),
+    )
+    decode = worker_pb2.RunningSequence(seq_id=0, num_computed_tokens=len(prompt), num_new_tokens=1)
+    runner.execute(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
+    runner.execute(runner.stage(worker_pb2.Step(step_id=1, running=[decode])))
     runner.seqs.clear()
 
 

@@ -26,12 +26,14 @@ class SchedulerMessage(_message.Message):
     def __init__(self, configure: _Optional[_Union[Configure, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Configure(_message.Message):
-    __slots__ = ("block_size", "max_blocks")
+    __slots__ = ("block_size", "max_blocks", "max_num_seqs")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     max_blocks: int
-    def __init__(self, block_size: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, block_size: _Optional[int] = ..., max_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "logprobs", "want_logprobs")

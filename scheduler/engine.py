@@ -86,7 +86,13 @@ class Engine:
 
     async def start(self) -> worker_pb2.Ready:
         """Wait for the worker to connect, configure it, and start serving."""
-        ready = await self._link.handshake(self.config.block_size, self.config.num_kv_blocks)
+        ready = await self._link.handshake(
+            worker_pb2.Configure(
+                block_size=self.config.block_size,
+                max_blocks=self.config.num_kv_blocks,
+                max_num_seqs=self.config.max_num_seqs,
+            )
+        )
         self.blocks = BlockManager(ready.num_blocks, ready.block_size)
         limits = PlannerLimits(
             max_batched_tokens=self.config.max_batched_tokens,

@@ -37,15 +37,11 @@ class WorkerLink:
             os.chmod(address.removeprefix("ipc://"), 0o600)
         self._identity: bytes | None = None
 
-    async def handshake(self, block_size: int, max_blocks: int) -> worker_pb2.Ready:
+    async def handshake(self, configure: worker_pb2.Configure) -> worker_pb2.Ready:
         """Wait for a worker's Hello, configure its KV cache, and wait until it is Ready."""
         hello = await self._expect("hello")
         log.info("worker %d (pid %d) connected", hello.hello.worker_id, hello.hello.pid)
-        await self.send(
-            worker_pb2.SchedulerMessage(
-                configure=worker_pb2.Configure(block_size=block_size, max_blocks=max_blocks)
-            )
-        )
+        await self.send(worker_pb2.SchedulerMessage(configure=configure))
         ready = await self._expect("ready")
         return ready.ready
 
