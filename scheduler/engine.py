@@ -191,14 +191,14 @@ class Engine:
         self._pending_releases.clear()
         for scheduled in plan.seqs:
             request = scheduled.request
-            table = self.blocks.table(request.seq_id)
             if not request.on_worker:
+                # Unknown to the worker: sent in full, with its whole block table.
                 step.new_sequences.append(
                     worker_pb2.NewSequence(
                         seq_id=request.seq_id,
                         token_ids=np.asarray(request.all_token_ids(), dtype="<i4").tobytes(),
                         prompt_len=request.prompt_len,
-                        block_ids=np.asarray(table, dtype="<i4").tobytes(),
+                        block_ids=np.asarray(self.blocks.table(request.seq_id), dtype="<i4").tobytes(),
                         num_computed_tokens=request.num_computed_tokens,
                         num_new_tokens=scheduled.num_new_tokens,
                         sampling=request.params.sampling,
@@ -209,12 +209,11 @@ class Engine:
                 step.running.append(
                     worker_pb2.RunningSequence(
                         seq_id=request.seq_id,
-                        new_block_ids=np.asarray(table[request.num_blocks_sent :], dtype="<i4").tobytes(),
+                        new_block_ids=np.asarray(scheduled.new_block_ids, dtype="<i4").tobytes(),
                         num_computed_tokens=request.num_computed_tokens,
                         num_new_tokens=scheduled.num_new_tokens,
                     )
                 )
-            request.num_blocks_sent = len(table)
             request.in_flight = True
         self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs)
         task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))

@@ -30,7 +30,8 @@ class PlannerLimits:
 class ScheduledSeq:
     request: Request
     num_new_tokens: int
-    new_block_ids: list[int]  # blocks appended to its table by this step
+    # Blocks appended to its table by this step: all a running sequence's worker lacks.
+    new_block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -114,7 +115,6 @@ class BatchPlanner:
         self.running.remove(request)
         self.blocks.free(request.seq_id)
         request.num_computed_tokens = 0
-        request.num_blocks_sent = 0
         request.num_preemptions += 1
         request.state = RequestState.WAITING
         # Ahead of every new arrival; among preempted ones the earlier-arrived goes first.

@@ -61,8 +61,6 @@ class Request:
     state: RequestState = RequestState.WAITING
     # Tokens whose K/V sit in the cache; the rest of prompt + output is still to compute.
     num_computed_tokens: int = 0
-    # How many of the block table's entries the worker has been sent.
-    num_blocks_sent: int = 0
     on_worker: bool = False  # the worker holds this sequence's state
     in_flight: bool = False  # part of a batch the worker has not answered yet
     aborted: bool = False
