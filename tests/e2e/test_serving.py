@@ -134,6 +134,18 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(smollm_server
         assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
 
 
+def assert_pool_drains(server: ServerProcess, timeout: float = 10.0) -> None:
+    """Within `timeout`, no KV block is in use and nothing is running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(server)
+        if values['duoserve_kv_cache_blocks{state="used"}'] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+    assert values['duoserve_queue_size{queue="running"}'] == 0
+
+
 def test_cancelled_stream_frees_its_blocks(smollm_server: ServerProcess) -> None:
     with Client(smollm_server.target) as client:
         stream = client.stream("Count from one to one thousand:", max_tokens=400, ignore_eos=True)
@@ -141,28 +153,13 @@ def test_cancelled_stream_frees_its_blocks(smollm_server: ServerProcess) -> None
             if index == 3:
                 break
         stream.close()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            values = metrics(smollm_server)
-            if values['duoserve_kv_cache_blocks{state="used"}'] == 0:
-                break
-            time.sleep(0.1)
-    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
-    assert values['duoserve_queue_size{queue="running"}'] == 0
+    assert_pool_drains(smollm_server)
 
 
 def test_expired_deadline_aborts_the_request_and_frees_its_blocks(smollm_server: ServerProcess) -> None:
-    with Client(smollm_server.target, retries=0) as client:
-        with pytest.raises(DeadlineExceededError):
-            client.generate("Count from one to one thousand:", max_tokens=2000, ignore_eos=True, timeout=1.0)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            values = metrics(smollm_server)
-            if values['duoserve_kv_cache_blocks{state="used"}'] == 0:
-                break
-            time.sleep(0.1)
-    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
-    assert values['duoserve_queue_size{queue="running"}'] == 0
+    with Client(smollm_server.target, retries=0) as client, pytest.raises(DeadlineExceededError):
+        client.generate("Count from one to one thousand:", max_tokens=2000, ignore_eos=True, timeout=1.0)
+    assert_pool_drains(smollm_server)
 
 
 BAD_REQUESTS = [
