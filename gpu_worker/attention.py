@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
+from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 
 
 def write_kv(
@@ -123,3 +124,23 @@ class TorchPagedAttention:
             ws = (like.new_empty(shape), like.new_empty(shape))
             self._local.workspace = ws
         return ws[0][:rows], ws[1][:rows]
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py);
+    prefill chunks take the torch path."""
+
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel: CpuDecodeAttention) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.kernel = kernel
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
+    ) -> torch.Tensor:  # [D, H, Dh]
+        # The kernel trusts block ids and lengths; check them once per batch, not once per layer.
+        if getattr(self._local, "checked", None) is not meta:
+            check_block_tables(meta.block_tables, meta.context_lens, k_cache.shape[0], k_cache.shape[1])
+            self._local.checked = meta
+        return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens)

@@ -26,14 +26,17 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class DecodeAttention:
-    """The single-query sequences (batch rows [0, num_seqs)), attended in one padded call.
+    """The single-query sequences (batch rows [0, num_seqs)), attended in one call.
 
-    Keys are gathered whole blocks at a time (a block is one contiguous run of the cache),
-    so the context is padded up to whole blocks and the mask hides the padding.
+    The CPU kernel reads the cache in place through `block_tables` and `context_lens`. The torch
+    path gathers keys whole blocks at a time (a block is one contiguous run of the cache), so
+    its context is padded up to whole blocks and `key_mask` hides the padding.
     """
 
     num_seqs: int  # D
     max_context: int  # L: blocks per row * block_size, covering the longest context
+    block_tables: torch.Tensor  # [D, L / block_size] int32, padded with block 0
+    context_lens: torch.Tensor  # [D] int32
     key_blocks: torch.Tensor  # [D * L / block_size] int64: row i's block table, padded with block 0
     key_mask: torch.Tensor  # [D, 1, 1, L] bool: True where j < context length of row i
 
@@ -163,6 +166,8 @@ def _decode_attention(
     return DecodeAttention(
         num_seqs=num,
         max_context=max_context,
+        block_tables=_to_device(tables[:, :num_blocks], device, torch.int32),
+        context_lens=_to_device(context_lens, device, torch.int32),
         key_blocks=_to_device(tables[:, :num_blocks].reshape(-1), device, torch.int64),
         key_mask=_to_device(key_mask.reshape(num, 1, 1, max_context), device, torch.bool),
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
 
 class WorkerConfigError(ValueError):
@@ -19,6 +20,7 @@ class WorkerConfig:
     worker_id: int = 0
     dtype: str = "auto"
     device: str = "auto"
+    attention_backend: str = "auto"
     kv_cache_memory: float = 0.0
     threads: int = 0
     sbo: bool = True
@@ -27,6 +29,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "--dtype", self.dtype, ", ".join(DTYPES))
         _check(self.device in DEVICES, "--device", self.device, ", ".join(DEVICES))
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "--attention-backend",
+            self.attention_backend,
+            ", ".join(ATTENTION_BACKENDS),
+        )
         _check(
             0.0 <= self.kv_cache_memory <= 0.95,
             "--kv-cache-memory",

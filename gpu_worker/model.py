@@ -16,6 +16,7 @@ from torch import nn
 
 from gpu_worker.attention import TorchPagedAttention
 from gpu_worker.batch import ForwardBatch
+from gpu_worker.linear import make_linear, packed_linear_available
 from gpu_worker.loader import ModelConfig
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,6 +99,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, dtype, device)
         self.gate_up_weight = _empty_param((2 * config.intermediate_size, h), dtype, device)
         self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
+        self.prepare_linears(packed=False)
+
+    def prepare_linears(self, packed: bool) -> None:
+        """Bind the four matmuls to the current weights (call again after loading them)."""
+        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed)
+        self.o_proj = make_linear(self.o_weight, None, packed)
+        self.gate_up = make_linear(self.gate_up_weight, None, packed)
+        self.down = make_linear(self.down_weight, None, packed)
 
     def forward(
         self,
@@ -119,17 +128,17 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) * Dh]
+        qkv = self.qkv(x)  # [T, (H + 2 Hkv) * Dh]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = apply_rope(q.view(tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
         k = apply_rope(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, Dh]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # strided view into qkv; index_copy_ handles it
         out = self.attention(q, k, v, kv_cache, batch)  # [T, H * Dh]
-        return F.linear(out, self.o_weight)
+        return self.o_proj(out)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, ffn] each
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
+        return self.down(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -159,10 +168,18 @@ class LlamaModel(nn.Module):
             else _empty_param((config.vocab_size, config.hidden_size), dtype, device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self.lm_head_linear = make_linear(self.lm_head, None, packed=False)
 
     @property
     def attention_backend(self) -> str:
         return self.attention.name
+
+    def use_attention(self, attention: TorchPagedAttention) -> None:
+        """Swap the attention backend of every layer (the worker picks it once the block size is known)."""
+        self.attention = attention
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.attention = attention
 
     @torch.inference_mode()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -190,6 +207,12 @@ class LlamaModel(nn.Module):
             layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        # Packed copies are taken of the loaded values, so this comes last.
+        packed = packed_linear_available(self.dtype, self.device)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.prepare_linears(packed)
+        self.lm_head_linear = make_linear(self.lm_head, None, packed)
 
     @torch.inference_mode()
     def forward(
@@ -202,4 +225,4 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, batch)
         hidden = hidden.index_select(0, batch.logits_indices)  # [S, hidden]
-        return F.linear(self.norm(hidden), self.lm_head).float()  # [S, vocab]
+        return self.lm_head_linear(self.norm(hidden)).float()  # [S, vocab]

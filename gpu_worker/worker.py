@@ -17,17 +17,18 @@ import setproctitle
 import torch
 import zmq
 
+from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
+from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
 
-ATTENTION_BACKEND_CPU = "torch"
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.9}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,6 +95,30 @@ def plan_num_blocks(
     return num_blocks
 
 
+def make_attention(
+    name: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
+) -> TorchPagedAttention:
+    """The attention backend for `--attention-backend`: "cpu" (the C decode kernel) or "torch".
+
+    "auto" takes the C kernel on the CPU when it builds here, else the torch path, and says why.
+    """
+    shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+    if name == "torch" or device.type != "cpu":
+        if name == "cpu":
+            raise SystemExit(f"--attention-backend cpu runs on the CPU only, not on {device}")
+        return TorchPagedAttention(*shape)
+    try:
+        kernel = load_cpu_decode_attention(
+            model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size, dtype
+        )
+    except KernelBuildError as exc:
+        if name == "cpu":
+            raise SystemExit(f"--attention-backend cpu: {exc}") from exc
+        log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
+        return TorchPagedAttention(*shape)
+    return CpuPagedAttention(*shape, kernel=kernel)
+
+
 def warm_up(runner: ModelRunner, block_size: int) -> None:
     """One prefill and one decode through the whole step path, so the first request pays no start-up cost.
 
@@ -149,6 +174,9 @@ def run_worker(config: WorkerConfig) -> int:
         started = time.perf_counter()
         kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
         allocated = time.perf_counter()
+        model.use_attention(
+            make_attention(config.attention_backend, model_config, dtype, device, configure.block_size)
+        )
         runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed)
         warm_up(runner, configure.block_size)
         log.info(
@@ -162,16 +190,17 @@ def run_worker(config: WorkerConfig) -> int:
             context_length=model_config.context_length,
             vocab_size=model_config.vocab_size,
             dtype=dtype_name(dtype),
-            attention_backend=ATTENTION_BACKEND_CPU,
+            attention_backend=model.attention_backend,
             device=str(device),
             block_size=configure.block_size,
             num_blocks=num_blocks,
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         log.info(
-            "ready: %d KV blocks of %d tokens, SBO %s",
+            "ready: %d KV blocks of %d tokens, %s attention, SBO %s",
             num_blocks,
             configure.block_size,
+            model.attention_backend,
             "on" if config.sbo else "off",
         )
         StepPipeline(socket, runner, config.sbo).run()

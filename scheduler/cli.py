@@ -60,6 +60,12 @@ SCHEDULER_FLAGS = (
     Flag("--max-num-seqs", int, 256, "sequences in one step"),
     Flag("--prefill-chunk", int, 512, "longest prefill chunk of one sequence in one step"),
     Flag("--max-inflight", int, 2, "batches in flight at once (DBO; 1 turns it off)"),
+    Flag(
+        "--min-lane-seqs",
+        int,
+        0,
+        "fewest running sequences DBO puts in one lane (0 = by device: CPU keeps decodes in one lane)",
+    ),
     Flag("--max-queued-requests", int, 1024, "requests waiting or running before RESOURCE_EXHAUSTED"),
     Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
     Flag("--shutdown-grace", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
@@ -67,6 +73,13 @@ SCHEDULER_FLAGS = (
 WORKER_FLAGS = (
     Flag("--dtype", str, "auto", "serving dtype", ("auto", "float32", "bfloat16", "float16")),
     Flag("--device", str, "auto", "compute device", ("auto", "cpu", "cuda")),
+    Flag(
+        "--attention-backend",
+        str,
+        "auto",
+        "attention: cpu (C decode kernel), torch (reference path); auto = cpu when it builds",
+        ("auto", "cpu", "torch"),
+    ),
     Flag("--kv-cache-memory", float, 0.0, "fraction of free device memory for the KV cache (0 = default)"),
     Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),
     Flag("--sbo", bool, True, "stage the next batch while the current one computes"),

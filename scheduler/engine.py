@@ -99,6 +99,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             prefill_chunk=self.config.prefill_chunk,
             max_inflight=self.config.max_inflight,
+            min_lane_seqs=self.config.lane_min_seqs(ready.device),
         )
         self.planner = BatchPlanner(self.blocks, limits)
         self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)

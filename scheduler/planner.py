@@ -5,8 +5,9 @@ then admits waiting ones in arrival order as prefill chunks. When a running
 sequence needs a block and the pool is empty, the latest-arrived running
 sequence that is not in flight is preempted (recompute: its blocks freed, its
 tokens kept, requeued at the front). With DBO the running set is split: one
-batch takes at most its share of the running sequences, so the others form the
-next batch while this one computes.
+batch takes at most its share of the running sequences (an equal split, or all
+of them when equal shares would be smaller than `min_lane_seqs`), so the others
+form the next batch while this one computes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class PlannerLimits:
     max_num_seqs: int
     prefill_chunk: int
     max_inflight: int
+    min_lane_seqs: int = 1  # DBO never splits the running set into lanes smaller than this
 
 
 @dataclass(slots=True)
@@ -64,15 +66,30 @@ class BatchPlanner:
 
     def plan(self) -> StepPlan | None:
         """The next step's sequences, or None when there is nothing to run now."""
+        if self._merge_with_inflight():
+            return None
         plan = StepPlan()
         budget = self.limits.max_batched_tokens
         budget = self._plan_running(plan, budget)
         self._plan_waiting(plan, budget)
         return plan if plan.seqs else None
 
+    def _merge_with_inflight(self) -> bool:
+        """True when the free running sequences are too few for a lane of their own.
+
+        They then wait for the in-flight batch to come back and join its next step, so lanes
+        split by arrival timing merge again. New arrivals are never held back by this.
+        """
+        if self.waiting or self.limits.min_lane_seqs <= 1:
+            return False
+        free = sum(1 for r in self.running if not r.in_flight)
+        return free < self.limits.min_lane_seqs and free < len(self.running)
+
     def _lane_share(self) -> int:
-        # ceil(running / lanes): each in-flight batch carries an equal share.
-        return max(1, -(-len(self.running) // self.limits.max_inflight))
+        # ceil(running / lanes): each in-flight batch carries an equal share, unless shares that
+        # small are not worth a step of their own; then one batch takes them all.
+        even = -(-len(self.running) // self.limits.max_inflight)
+        return max(1, even if even >= self.limits.min_lane_seqs else len(self.running))
 
     def _plan_running(self, plan: StepPlan, budget: int) -> int:
         candidates = [r for r in self.running if not r.in_flight]

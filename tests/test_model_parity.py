@@ -14,6 +14,7 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
+from gpu_worker.worker import make_attention
 from scheduler.model_files import find_default_model
 
 transformers = pytest.importorskip("transformers")
@@ -178,8 +179,14 @@ TINY_VARIANTS: dict[int, dict[str, Any]] = {
 }
 
 
+def use_backend(model: LlamaModel, config: ModelConfig, backend: str, block_size: int) -> None:
+    model.use_attention(make_attention(backend, config, model.dtype, model.device, block_size))
+    assert model.attention_backend == backend
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", sorted(TINY_VARIANTS))
-def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int) -> None:
+def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backend: str) -> None:
     torch.manual_seed(block_size)
     hf_config = transformers.LlamaConfig(
         vocab_size=512,
@@ -203,6 +210,7 @@ def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int) -> Non
     assert (config.rope_scaling is not None) == ("rope_scaling" in TINY_VARIANTS[block_size])
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights)
+    use_backend(model, config, backend, block_size)
 
     gen = torch.Generator().manual_seed(block_size)
     lengths = [1, 3, 9, 17, 30, 41, 58, 64, 23]
@@ -230,6 +238,7 @@ def smollm2() -> tuple[Path, ModelConfig, LlamaModel]:
     config, weights = load_model(path)
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights)
+    use_backend(model, config, "cpu", block_size=16)  # the CPU worker's default path
     return path, config, model
 
 

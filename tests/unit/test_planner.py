@@ -23,10 +23,20 @@ def make_request(seq_id: int, prompt_len: int, arrival: float | None = None) -> 
 
 
 def make_planner(
-    num_blocks: int, block_size: int, budget: int = 1000, chunk: int = 1000, inflight: int = 1, seqs: int = 64
+    num_blocks: int,
+    block_size: int,
+    budget: int = 1000,
+    chunk: int = 1000,
+    inflight: int = 1,
+    seqs: int = 64,
+    min_lane: int = 1,
 ) -> BatchPlanner:
     limits = PlannerLimits(
-        max_batched_tokens=budget, max_num_seqs=seqs, prefill_chunk=chunk, max_inflight=inflight
+        max_batched_tokens=budget,
+        max_num_seqs=seqs,
+        prefill_chunk=chunk,
+        max_inflight=inflight,
+        min_lane_seqs=min_lane,
     )
     return BatchPlanner(BlockManager(num_blocks, block_size), limits)
 
@@ -139,6 +149,22 @@ def test_dbo_splits_the_running_set_into_lanes() -> None:
     assert planner.plan() is None  # every sequence is in flight
     complete(lane_a)
     assert [s.request.seq_id for s in summary_plan(planner)] == [1, 2, 3]
+
+
+def test_dbo_does_not_split_below_min_lane_seqs_and_small_remainders_wait_to_merge() -> None:
+    planner = make_planner(num_blocks=64, block_size=4, inflight=2, min_lane=3)
+    for request in [make_request(i, prompt_len=3) for i in range(1, 4)]:
+        planner.add(request)
+    complete(dispatch(planner.plan()))
+    lane_a = dispatch(planner.plan())
+    assert [s.request.seq_id for s in lane_a.seqs] == [1, 2, 3]  # halves of 2 and 1 would be below 3
+    planner.add(make_request(4, prompt_len=3))
+    lane_b = dispatch(planner.plan())  # a new arrival is never held back
+    assert summary(lane_b) == [(4, 3, [3])]
+    complete(lane_b)
+    assert planner.plan() is None  # one free decode is too few for a lane: it waits for lane a
+    complete(lane_a)
+    assert [s.request.seq_id for s in summary_plan(planner)] == [1, 2, 3, 4]  # one lane again
 
 
 def summary_plan(planner: BatchPlanner) -> list[Any]:

@@ -1,0 +1,149 @@
+/*
+ * Paged decode attention for the CPU worker: one query token per sequence, keys and values
+ * read in place from the paged cache ([num_blocks, BLOCK, num_kv_heads, HEAD_DIM] per layer),
+ * so no step copies a sequence's context. Built by kernels/cpu_decode.py with the model's
+ * shape fixed at compile time (-DHEAD_DIM, -DGROUP, -DBLOCK, -DELEM_BF16) so the compiler
+ * can keep each work item's accumulators in vector registers.
+ *
+ * One work item is (sequence, kv head): its GROUP query heads walk the sequence's blocks
+ * once, with an online softmax in float32 (scores, running max and sum, output accumulator).
+ * Work items are shared out by OpenMP; the library links the same libgomp as torch, so the
+ * kernel and torch's own ops use one thread pool.
+ */
+#include <stdint.h>
+
+#if !defined(HEAD_DIM) || !defined(GROUP) || !defined(BLOCK) || !defined(ELEM_BF16)
+#error "build with -DHEAD_DIM=.. -DGROUP=.. -DBLOCK=.. -DELEM_BF16=0|1"
+#endif
+
+#if ELEM_BF16
+typedef uint16_t elem_t;
+static inline float load(elem_t x)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+static inline elem_t store(float x)  /* round to nearest even; inputs are finite */
+{
+    union { uint32_t u; float f; } v;
+    v.f = x;
+    return (elem_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+#else
+typedef float elem_t;
+static inline float load(elem_t x) { return x; }
+static inline elem_t store(float x) { return x; }
+#endif
+
+/* exp(x) for x <= 0 by 2^n * p(f), |f| <= 1/2; relative error about 2e-7. Written in plain
+ * arithmetic so that the softmax loops vectorise (libm's expf is a scalar call). */
+static inline float exp_nonpositive(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    const float y = x * 1.44269504088896341f;
+    const float n = __builtin_floorf(y + 0.5f);
+    const float f = y - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { uint32_t u; float f; } two_n;
+    two_n.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * two_n.f;
+}
+
+#define ROW (num_kv_heads * HEAD_DIM) /* elements per cache slot */
+
+static void attend_one(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
+                       int64_t context_len, elem_t *out, int64_t num_kv_heads, float scale)
+{
+    float qf[GROUP][HEAD_DIM] __attribute__((aligned(64)));
+    float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
+    float scores[GROUP][BLOCK] __attribute__((aligned(64)));
+    float running_max[GROUP], running_sum[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        for (int i = 0; i < HEAD_DIM; i++) {
+            qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
+            acc[g][i] = 0.0f;
+        }
+        running_max[g] = -1e30f;
+        running_sum[g] = 0.0f;
+    }
+    for (int64_t start = 0; start < context_len; start += BLOCK) {
+        const int64_t block = table[start / BLOCK];
+        const int64_t valid = context_len - start < BLOCK ? context_len - start : BLOCK;
+        const elem_t *keys = k_cache + block * BLOCK * ROW;
+        const elem_t *values = v_cache + block * BLOCK * ROW;
+        if (start + BLOCK < context_len) {
+            /* The cache is far larger than the CPU's caches and blocks are scattered: fetch the
+             * next block's rows of this head while this one computes. */
+            const int64_t next = table[start / BLOCK + 1];
+            for (int t = 0; t < BLOCK; t++) {
+                for (int line = 0; line < (int)(HEAD_DIM * sizeof(elem_t)); line += 64) {
+                    __builtin_prefetch((const char *)(k_cache + (next * BLOCK + t) * ROW) + line);
+                    __builtin_prefetch((const char *)(v_cache + (next * BLOCK + t) * ROW) + line);
+                }
+            }
+        }
+        /* Scores for the whole block (slots past the context hold stale data and are masked). */
+        for (int t = 0; t < BLOCK; t++) {
+            float kf[HEAD_DIM] __attribute__((aligned(64)));
+            for (int i = 0; i < HEAD_DIM; i++) kf[i] = load(keys[t * ROW + i]);
+            for (int g = 0; g < GROUP; g++) {
+                float dot = 0.0f;
+                for (int i = 0; i < HEAD_DIM; i++) dot += qf[g][i] * kf[i];
+                scores[g][t] = t < valid ? dot : -1e30f;
+            }
+        }
+        for (int g = 0; g < GROUP; g++) {
+            float block_max = running_max[g];
+            for (int t = 0; t < BLOCK; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
+            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            float block_sum = 0.0f;
+            for (int t = 0; t < BLOCK; t++) {
+                scores[g][t] = exp_nonpositive(scores[g][t] - block_max);
+                block_sum += scores[g][t];
+            }
+            running_sum[g] = running_sum[g] * rescale + block_sum;
+            running_max[g] = block_max;
+            for (int i = 0; i < HEAD_DIM; i++) acc[g][i] *= rescale;
+        }
+        for (int64_t t = 0; t < valid; t++) {
+            float vf[HEAD_DIM] __attribute__((aligned(64)));
+            for (int i = 0; i < HEAD_DIM; i++) vf[i] = load(values[t * ROW + i]);
+            for (int g = 0; g < GROUP; g++) {
+                const float p = scores[g][t];
+                for (int i = 0; i < HEAD_DIM; i++) acc[g][i] += p * vf[i];
+            }
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const float inv = 1.0f / running_sum[g];
+        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(acc[g][i] * inv);
+    }
+}
+
+/*
+ * q, out: [num_seqs, num_kv_heads * GROUP, HEAD_DIM], contiguous.
+ * k_cache, v_cache: [num_blocks, BLOCK, num_kv_heads, HEAD_DIM], contiguous.
+ * block_tables: [num_seqs, max_blocks] int32, row n covering context_lens[n] >= 1 tokens.
+ */
+void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
+                                     const int32_t *block_tables, const int32_t *context_lens, elem_t *out,
+                                     int64_t num_seqs, int64_t num_kv_heads, int64_t max_blocks, float scale,
+                                     int num_threads)
+{
+    const int64_t num_heads = num_kv_heads * GROUP;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+        const int64_t head0 = seq * num_heads + kv_head * GROUP;
+        attend_one(q + head0 * HEAD_DIM, k_cache + kv_head * HEAD_DIM, v_cache + kv_head * HEAD_DIM,
+                   block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads,
+                   scale);
+    }
+}

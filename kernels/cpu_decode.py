@@ -1,0 +1,282 @@
+"""Paged decode attention on the CPU: a small C kernel, built on first use, and its torch reference.
+
+The kernel (`kernels/cpu/paged_decode_attention.c`) reads keys and values in place from the
+paged cache, so a decode step no longer copies every sequence's context into a padded buffer
+before attending. It is compiled once per model shape with the system C compiler (`$CC`, else
+`cc`) into a cache directory (`$DUOSERVE_KERNEL_CACHE`, else `~/.cache/duoserve/kernels`), keyed
+by the source, the flags, the compiler and the CPU, and loaded with ctypes. No compiler means
+no kernel: `load_cpu_decode_attention` raises `KernelBuildError` and the worker keeps the torch
+path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode_attention.c"
+MAX_HEAD_DIM = 256  # multiples of 8 up to this
+MAX_BLOCK_SIZE = 64
+MAX_GROUP = 16
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_loaded: dict[tuple[int, int, int, torch.dtype], CpuDecodeAttention] = {}
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel cannot be built or loaded here (no compiler, unsupported shape, failed compile)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    head_dim: int
+    group: int  # query heads per KV head
+    block_size: int
+    dtype: torch.dtype
+
+
+class CpuDecodeAttention:
+    """The loaded kernel for one (head_dim, group, block_size, dtype); call it per layer."""
+
+    def __init__(self, function: Callable[..., None], shape: _Shape, library_path: Path) -> None:
+        self._function = function
+        self.shape = shape
+        self.library_path = library_path
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [N, H, Dh]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dh]
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [N, max_blocks] int32
+        context_lens: torch.Tensor,  # [N] int32, each in [1, max_blocks * block_size]
+        out: torch.Tensor | None = None,  # [N, H, Dh], like q
+    ) -> torch.Tensor:
+        """Attend each sequence's one query token to its first context_lens[n] cached tokens.
+
+        Shapes, dtypes and strides are checked here; block ids and context lengths are trusted
+        (check them once per batch with `check_block_tables`), since the kernel reads the cache
+        at whatever they say.
+        """
+        shape = self.shape
+        _require(q.dim() == 3 and q.is_contiguous(), "q", q, "a contiguous [N, H, head_dim] tensor")
+        num_seqs, num_heads, head_dim = q.shape
+        _require(k_cache.dim() == 4 and k_cache.is_contiguous(), "k_cache", k_cache, "contiguous 4-D")
+        _require(
+            v_cache.shape == k_cache.shape and v_cache.is_contiguous(), "v_cache", v_cache, "like k_cache"
+        )
+        _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+        _require(head_dim == shape.head_dim == cache_head_dim, "head_dim", q, f"{shape.head_dim}")
+        _require(block_size == shape.block_size, "block_size", k_cache, f"{shape.block_size}")
+        _require(num_heads == num_kv_heads * shape.group, "num_heads", q, f"{num_kv_heads} * {shape.group}")
+        for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _require(
+                tensor.dtype == shape.dtype and tensor.device.type == "cpu",
+                name,
+                tensor,
+                f"{shape.dtype} on cpu",
+            )
+        _require(
+            block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.is_contiguous(),
+            "block_tables",
+            block_tables,
+            "contiguous int32 [N, max_blocks]",
+        )
+        _require(block_tables.shape[0] == num_seqs, "block_tables", block_tables, f"{num_seqs} rows")
+        _require(
+            context_lens.dtype == torch.int32
+            and context_lens.shape == (num_seqs,)
+            and context_lens.is_contiguous(),
+            "context_lens",
+            context_lens,
+            f"contiguous int32 [{num_seqs}]",
+        )
+        if out is None:
+            out = torch.empty_like(q)
+        _require(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out", out, "like q")
+        if num_seqs:
+            self._function(
+                q.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                block_tables.data_ptr(),
+                context_lens.data_ptr(),
+                out.data_ptr(),
+                num_seqs,
+                num_kv_heads,
+                block_tables.shape[1],
+                head_dim**-0.5,
+                torch.get_num_threads(),
+            )
+        return out
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Raise ValueError unless every context is in [1, table width * block_size] and every used id < num_blocks."""
+    if context_lens.numel() == 0:
+        return
+    lens = context_lens.to(torch.int64)
+    if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"context_lens must be in [1, {block_tables.shape[1] * block_size}], got "
+            f"[{int(lens.min())}, {int(lens.max())}]"
+        )
+    used = torch.arange(block_tables.shape[1]) < ((lens + block_size - 1) // block_size)[:, None]
+    ids = block_tables[used]
+    if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """The definition the kernel is tested against: per sequence, gather its keys and values, softmax in float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for n in range(num_seqs):
+        length = int(context_lens[n])
+        blocks = block_tables[n, : (length + block_size - 1) // block_size].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()  # [L, Hkv, Dh]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, Dh]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[n].float(), keys) * head_dim**-0.5
+        out[n] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def load_cpu_decode_attention(
+    head_dim: int, group: int, block_size: int, dtype: torch.dtype
+) -> CpuDecodeAttention:
+    """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible."""
+    supported = (
+        8 <= head_dim <= MAX_HEAD_DIM
+        and head_dim % 8 == 0
+        and 1 <= block_size <= MAX_BLOCK_SIZE
+        and 1 <= group <= MAX_GROUP
+    )
+    if not supported:
+        raise KernelBuildError(
+            f"no CPU decode kernel for head_dim={head_dim} (multiples of 8 up to {MAX_HEAD_DIM}), "
+            f"group={group} (1..{MAX_GROUP}), block_size={block_size} (1..{MAX_BLOCK_SIZE})"
+        )
+    if dtype not in DTYPES:
+        raise KernelBuildError(f"no CPU decode kernel for {dtype}; supported: {DTYPES}")
+    key = (head_dim, group, block_size, dtype)
+    with _lock:
+        if key not in _loaded:
+            shape = _Shape(head_dim, group, block_size, dtype)
+            path = _build(shape)
+            _loaded[key] = CpuDecodeAttention(_bind(path), shape, path)
+        return _loaded[key]
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"C compiler {compiler!r} not found (set CC, or install gcc)")
+    return compiler
+
+
+def _flags(shape: _Shape) -> list[str]:
+    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")  # the kernel's loops are 64+ floats wide
+    return [
+        *flags,
+        f"-DHEAD_DIM={shape.head_dim}",
+        f"-DGROUP={shape.group}",
+        f"-DBLOCK={shape.block_size}",
+        f"-DELEM_BF16={int(shape.dtype == torch.bfloat16)}",
+    ]
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: a library built for one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    if configured := os.environ.get("DUOSERVE_KERNEL_CACHE"):
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "duoserve" / "kernels"
+
+
+def _build(shape: _Shape) -> Path:
+    compiler = _compiler()
+    flags = _flags(shape)
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
+    digest = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *flags, version, _cpu_identity()]).encode()
+    ).hexdigest()[:20]
+    directory = _cache_dir()
+    target = directory / f"paged_decode_attention-{digest}.so"
+    if target.exists():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot create the kernel cache {directory}: {exc}") from exc
+    # Compile to a private name, then rename: concurrent workers never load a half-written file.
+    fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
+    os.close(fd)
+    command = [compiler, *flags, str(SOURCE), "-o", partial]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    os.replace(partial, target)
+    log.info("built the CPU decode attention kernel %s", target)
+    return target
+
+
+def _bind(path: Path) -> Callable[..., None]:
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {path}: {exc}") from exc
+    function = library.duoserve_paged_decode_attention
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+    return function
+
+
+def _require(ok: bool, name: str, tensor: torch.Tensor, expected: str) -> None:
+    if not ok:
+        raise ValueError(
+            f"{name}: expected {expected}, got shape {tuple(tensor.shape)} {tensor.dtype} "
+            f"strides {tensor.stride()} on {tensor.device}"
+        )

@@ -1,0 +1,167 @@
+"""The CPU paged decode attention kernel against its torch reference, and its launcher's checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from kernels.cpu_decode import (
+    KernelBuildError,
+    check_block_tables,
+    load_cpu_decode_attention,
+    paged_decode_attention_reference,
+)
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def make_case(
+    lengths: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """Random q and caches; each sequence's blocks scattered over the pool, tables padded past their end."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_needed) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_needed) + 1  # one more column than any row needs: the kernel must stop at the length
+    tables = torch.full((len(lengths), width), num_blocks - 1, dtype=torch.int32)
+    for row, count in enumerate(blocks_needed):
+        tables[row, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "group", "head_dim"),
+    [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (16, 2, 4, 32)],
+)
+def test_kernel_matches_reference_at_block_edges(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int
+) -> None:
+    b = block_size
+    lengths = [1, 2, b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 7 * b + 3]
+    q, k_cache, v_cache, tables, lens = make_case(lengths, b, num_kv_heads, group, head_dim, dtype)
+    kernel = load_cpu_decode_attention(head_dim, group, block_size, dtype)
+    out = kernel(q, k_cache, v_cache, tables, lens)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_kernel_matches_reference_over_a_long_context_and_large_scores() -> None:
+    # 2049 tokens (128 blocks + 1) and scores in the hundreds: the online softmax must rescale stably.
+    q, k_cache, v_cache, tables, lens = make_case([2049, 5], 16, 3, 3, 64, torch.float32, seed=3)
+    q = q * 30
+    kernel = load_cpu_decode_attention(64, 3, 16, torch.float32)
+    out = kernel(q, k_cache, v_cache, tables, lens)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_reads_only_the_blocks_in_the_table() -> None:
+    q, k_cache, v_cache, tables, lens = make_case([20], 8, 1, 2, 16, torch.float32)
+    kernel = load_cpu_decode_attention(16, 2, 8, torch.float32)
+    before = kernel(q, k_cache, v_cache, tables, lens).clone()
+    unused = sorted(set(range(k_cache.shape[0])) - set(tables[0, :3].tolist()))
+    k_cache[unused] = float("nan")
+    v_cache[unused] = float("nan")
+    assert torch.equal(kernel(q, k_cache, v_cache, tables, lens), before)
+
+
+def test_launcher_rejects_bad_shapes_dtypes_and_strides() -> None:
+    q, k_cache, v_cache, tables, lens = make_case([5, 9], 16, 3, 3, 64, torch.float32)
+    kernel = load_cpu_decode_attention(64, 3, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"q: expected torch\.float32 on cpu"):
+        kernel(q.bfloat16(), k_cache, v_cache, tables, lens)
+    with pytest.raises(ValueError, match="q: expected a contiguous"):
+        kernel(q.transpose(0, 1), k_cache, v_cache, tables, lens)
+    with pytest.raises(ValueError, match="block_size: expected 16"):
+        kernel(q, k_cache.view(-1, 8, 3, 64), v_cache.view(-1, 8, 3, 64), tables, lens)
+    with pytest.raises(ValueError, match="num_heads"):
+        kernel(q[:, :6].contiguous(), k_cache, v_cache, tables, lens)
+    with pytest.raises(ValueError, match="block_tables: expected contiguous int32"):
+        kernel(q, k_cache, v_cache, tables.long(), lens)
+    with pytest.raises(ValueError, match="context_lens"):
+        kernel(q, k_cache, v_cache, tables, lens[:1])
+
+
+def test_block_table_check_names_the_bad_values() -> None:
+    tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    check_block_tables(tables, torch.tensor([17, 3], dtype=torch.int32), num_blocks=3, block_size=16)
+    with pytest.raises(ValueError, match=r"context_lens must be in \[1, 32\], got \[0, 17\]"):
+        check_block_tables(tables, torch.tensor([17, 0], dtype=torch.int32), num_blocks=3, block_size=16)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 2\), got \[0, 2\]"):
+        check_block_tables(tables, torch.tensor([17, 3], dtype=torch.int32), num_blocks=2, block_size=16)
+
+
+def test_unsupported_shapes_and_missing_compiler_raise_kernel_build_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(KernelBuildError, match="head_dim=60"):
+        load_cpu_decode_attention(60, 1, 16, torch.float32)
+    with pytest.raises(KernelBuildError, match="float16"):
+        load_cpu_decode_attention(64, 1, 16, torch.float16)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KernelBuildError, match="not found"):
+        load_cpu_decode_attention(24, 5, 4, torch.float32)  # a shape no other test loads
+
+
+def test_kernel_library_is_cached_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kernels import cpu_decode
+
+    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    first = load_cpu_decode_attention(8, 1, 4, torch.float32)
+    assert first.library_path.parent == tmp_path and first.library_path.exists()
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    built_at = first.library_path.stat().st_mtime_ns
+    second = load_cpu_decode_attention(8, 1, 4, torch.float32)
+    assert second.library_path == first.library_path
+    assert second.library_path.stat().st_mtime_ns == built_at  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.library_path.name]  # no partial files left
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_equals_torch_backend_on_a_mixed_batch(dtype: torch.dtype) -> None:
+    """Decodes through the kernel, prefill chunks through torch: the backends agree on every row."""
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 8
+    torch.manual_seed(0)
+    num_blocks = 40
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    chunks = [
+        ScheduledChunk([1], start_position=0, block_table=[3], needs_logits=True),  # decode, length 1
+        ScheduledChunk([1, 2, 3], start_position=9, block_table=[5, 7], needs_logits=True),  # cached prefix
+        ScheduledChunk(
+            [4], start_position=16, block_table=[8, 9, 10], needs_logits=True
+        ),  # decode at a boundary
+        ScheduledChunk([5, 6], start_position=0, block_table=[11], needs_logits=True),  # fresh prefill
+    ]
+    batch = build_forward_batch(chunks, block_size, "cpu")
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim).to(dtype)
+    kernel = load_cpu_decode_attention(head_dim, num_heads // num_kv_heads, block_size, dtype)
+    outputs = []
+    for backend in (TorchPagedAttention(num_heads, num_kv_heads, head_dim), None):
+        attention = backend or CpuPagedAttention(num_heads, num_kv_heads, head_dim, kernel=kernel)
+        outputs.append(attention(q, k, v, (k_cache.clone(), v_cache.clone()), batch))
+    torch.testing.assert_close(
+        outputs[1].float(), outputs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
