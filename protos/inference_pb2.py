@@ -24,39 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x0b\x64uoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbe\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.duoserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\r \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x12 \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\x12\n\nignore_eos\x18\x15 \x01(\x08\x12\x15\n\x08logprobs\x18\x16 \x01(\rH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.duoserve.v1.TopLogprob\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.duoserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.duoserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.duoserve.v1.TokenLogprob\"\xcf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.duoserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.duoserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.duoserve.v1.Usage\"v\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.duoserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xca\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x06 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\x04\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x13\n\x0bnum_workers\x18\t \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.duoserve.v1.ModelInfo*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xc3\x02\n\tInference\x12G\n\x08Generate\x12\x1c.duoserve.v1.GenerateRequest\x1a\x1d.duoserve.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.duoserve.v1.GenerateRequest\x1a#.duoserve.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.duoserve.v1.TokenizeRequest\x1a\x1d.duoserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.duoserve.v1.ListModelsRequest\x1a\x1f.duoserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0finference.proto\x12\x0b\x64uoserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x91\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12*\n\x08messages\x18\x04 \x03(\x0b\x32\x18.duoserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\n \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x0b \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\r \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x12 \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x14 \x03(\r\x12\x12\n\nignore_eos\x18\x15 \x01(\x08\x12\x15\n\x08logprobs\x18\x16 \x01(\rH\t\x88\x01\x01\x12\'\n\x08priority\x18\x1e \x01(\x0e\x32\x15.duoserve.v1.Priority\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x1f \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_deadline_ms\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.duoserve.v1.TopLogprob\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.duoserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.duoserve.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.duoserve.v1.TokenLogprob\"\xcf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.duoserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.duoserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.duoserve.v1.Usage\"v\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.duoserve.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xca\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fkv_cache_blocks\x18\x06 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\x04\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x13\n\x0bnum_workers\x18\t \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.duoserve.v1.ModelInfo*i\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x15\n\x11PRIORITY_STANDARD\x10\x02\x12\x12\n\x0ePRIORITY_BATCH\x10\x03*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xc3\x02\n\tInference\x12G\n\x08Generate\x12\x1c.duoserve.v1.GenerateRequest\x1a\x1d.duoserve.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.duoserve.v1.GenerateRequest\x1a#.duoserve.v1.GenerateStreamResponse0\x01\x12G\n\x08Tokenize\x12\x1c.duoserve.v1.TokenizeRequest\x1a\x1d.duoserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.duoserve.v1.ListModelsRequest\x1a\x1f.duoserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1759
-  _globals['_FINISHREASON']._serialized_end=1881
+  _globals['_PRIORITY']._serialized_start=1842
+  _globals['_PRIORITY']._serialized_end=1947
+  _globals['_FINISHREASON']._serialized_start=1949
+  _globals['_FINISHREASON']._serialized_end=2071
   _globals['_CHATMESSAGE']._serialized_start=32
   _globals['_CHATMESSAGE']._serialized_end=76
   _globals['_GENERATEREQUEST']._serialized_start=79
-  _globals['_GENERATEREQUEST']._serialized_end=653
-  _globals['_USAGE']._serialized_start=655
-  _globals['_USAGE']._serialized_end=742
-  _globals['_TOPLOGPROB']._serialized_start=744
-  _globals['_TOPLOGPROB']._serialized_end=791
-  _globals['_TOKENLOGPROB']._serialized_start=793
-  _globals['_TOKENLOGPROB']._serialized_end=880
-  _globals['_GENERATERESPONSE']._serialized_start=883
-  _globals['_GENERATERESPONSE']._serialized_end=1084
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1087
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1294
-  _globals['_TOKENIZEREQUEST']._serialized_start=1296
-  _globals['_TOKENIZEREQUEST']._serialized_end=1414
-  _globals['_TOKENIZERESPONSE']._serialized_start=1416
-  _globals['_TOKENIZERESPONSE']._serialized_end=1469
-  _globals['_LISTMODELSREQUEST']._serialized_start=1471
-  _globals['_LISTMODELSREQUEST']._serialized_end=1490
-  _globals['_MODELINFO']._serialized_start=1493
-  _globals['_MODELINFO']._serialized_end=1695
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1697
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1757
-  _globals['_INFERENCE']._serialized_start=1884
-  _globals['_INFERENCE']._serialized_end=2207
+  _globals['_GENERATEREQUEST']._serialized_end=736
+  _globals['_USAGE']._serialized_start=738
+  _globals['_USAGE']._serialized_end=825
+  _globals['_TOPLOGPROB']._serialized_start=827
+  _globals['_TOPLOGPROB']._serialized_end=874
+  _globals['_TOKENLOGPROB']._serialized_start=876
+  _globals['_TOKENLOGPROB']._serialized_end=963
+  _globals['_GENERATERESPONSE']._serialized_start=966
+  _globals['_GENERATERESPONSE']._serialized_end=1167
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1170
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1377
+  _globals['_TOKENIZEREQUEST']._serialized_start=1379
+  _globals['_TOKENIZEREQUEST']._serialized_end=1497
+  _globals['_TOKENIZERESPONSE']._serialized_start=1499
+  _globals['_TOKENIZERESPONSE']._serialized_end=1552
+  _globals['_LISTMODELSREQUEST']._serialized_start=1554
+  _globals['_LISTMODELSREQUEST']._serialized_end=1573
+  _globals['_MODELINFO']._serialized_start=1576
+  _globals['_MODELINFO']._serialized_end=1778
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1780
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1840
+  _globals['_INFERENCE']._serialized_start=2074
+  _globals['_INFERENCE']._serialized_end=2397
 # @@protoc_insertion_point(module_scope)

@@ -66,7 +66,20 @@ SCHEDULER_FLAGS = (
         0,
         "fewest running sequences DBO puts in one lane (0 = by device: CPU keeps decodes in one lane)",
     ),
+    Flag("--prefix-cache", bool, True, "reuse the KV blocks of cached prompt prefixes"),
     Flag("--max-queued-requests", int, 1024, "requests waiting or running before RESOURCE_EXHAUSTED"),
+    Flag(
+        "--max-queued-tokens",
+        int,
+        262144,
+        "prompt tokens waiting for their first step before RESOURCE_EXHAUSTED",
+    ),
+    Flag(
+        "--prefill-window-ms",
+        float,
+        0.0,
+        "a new prefill may wait this long for others to batch with (shrinks as the queue fills)",
+    ),
     Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
     Flag("--shutdown-grace", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
 )

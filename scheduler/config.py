@@ -27,7 +27,10 @@ class SchedulerConfig:
     prefill_chunk: int = 512
     max_inflight: int = 2
     min_lane_seqs: int = 0  # 0 = by the worker's device (see lane_min_seqs)
+    prefix_cache: bool = True
     max_queued_requests: int = 1024
+    max_queued_tokens: int = 262144
+    prefill_window_ms: float = 0.0
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
 
@@ -58,6 +61,10 @@ class SchedulerConfig:
         )
         _check(self.min_lane_seqs >= 0, "--min-lane-seqs", self.min_lane_seqs, ">= 0 (0 = by device)")
         _check(self.max_queued_requests >= 1, "--max-queued-requests", self.max_queued_requests, ">= 1")
+        _check(self.max_queued_tokens >= 1, "--max-queued-tokens", self.max_queued_tokens, ">= 1")
+        _check(
+            0 <= self.prefill_window_ms <= 10_000, "--prefill-window-ms", self.prefill_window_ms, "0..10000"
+        )
         _check(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
         _check(self.shutdown_grace >= 0, "--shutdown-grace", self.shutdown_grace, ">= 0")
         _check(
@@ -72,13 +79,13 @@ class SchedulerConfig:
         return f"{self.host}:{self.port}"
 
     def lane_min_seqs(self, worker_device: str) -> int:
-        """Fewest running sequences DBO puts in one lane when it splits the running set.
+        """Fewest sequences (running or waiting) DBO dispatches as a batch of their own.
 
         Every step pays a fixed cost (weights read once, per-op overheads). On a CPU worker that
-        cost is about the compute of 30-40 decodes (SmolLM2-135M, bfloat16, 2 cores), far more than
-        the scheduler time DBO hides, so by default decodes stay in one lane there and the other
-        lanes carry prefill chunks of newly admitted requests. On a GPU the running set is split
-        evenly.
+        cost is about the compute of 30-40 decodes (SmolLM2-135M, bfloat16, 2 cores) and far more
+        than the scheduler time a second batch in flight hides, so by default a CPU worker gets
+        one batch at a time unless `max_num_seqs` sequences are free to form another. On a GPU
+        the running set is split evenly between the lanes.
         """
         if self.min_lane_seqs:
             return self.min_lane_seqs

@@ -31,7 +31,8 @@ class Admission(enum.Enum):
     ADMITTED = "admitted"
     NOT_READY = "not_ready"
     SHUTTING_DOWN = "shutting_down"
-    QUEUE_FULL = "queue_full"
+    QUEUE_FULL_REQUESTS = "queue_full_requests"
+    QUEUE_FULL_TOKENS = "queue_full_tokens"
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class Engine:
         self._step_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._recv_task: asyncio.Task[None] | None = None
+        self._window_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self.worker_lost = False
         self.num_preemptions = 0
@@ -93,13 +95,14 @@ class Engine:
                 max_num_seqs=self.config.max_num_seqs,
             )
         )
-        self.blocks = BlockManager(ready.num_blocks, ready.block_size)
+        self.blocks = BlockManager(ready.num_blocks, ready.block_size, prefix_cache=self.config.prefix_cache)
         limits = PlannerLimits(
             max_batched_tokens=self.config.max_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             prefill_chunk=self.config.prefill_chunk,
             max_inflight=self.config.max_inflight,
             min_lane_seqs=self.config.lane_min_seqs(ready.device),
+            prefill_window=self.config.prefill_window_ms / 1000,
         )
         self.planner = BatchPlanner(self.blocks, limits)
         self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)
@@ -148,11 +151,27 @@ class Engine:
         if not self.ready or self.planner is None:
             return Admission.NOT_READY
         if len(self._requests) >= self.config.max_queued_requests:
-            return Admission.QUEUE_FULL
+            return Admission.QUEUE_FULL_REQUESTS
+        if self.planner.queued_prompt_tokens + request.prompt_len > self.config.max_queued_tokens:
+            return Admission.QUEUE_FULL_TOKENS
         self._requests[request.seq_id] = request
         self.planner.add(request)
+        if request.deadline is not None:
+            delay = max(0.0, request.deadline - time.monotonic())
+            request.deadline_timer = asyncio.get_running_loop().call_later(delay, self._expire, request)
         self._dispatch()
         return Admission.ADMITTED
+
+    def _expire(self, request: Request) -> None:
+        """The request's deadline_ms passed: DEADLINE_EXCEEDED, and its blocks freed within one step."""
+        if request.state is RequestState.FINISHED or request.seq_id not in self._requests:
+            return
+        never_ran = request.state is RequestState.WAITING and request.num_preemptions == 0
+        where = "while queued (it never ran)" if never_ran else "while it was generating"
+        self._end_with_error(
+            request, "DEADLINE_EXCEEDED", f"deadline_ms={request.params.deadline_ms} passed {where}"
+        )
+        self._dispatch()
 
     def abort(self, request: Request) -> None:
         """Stop a request the client gave up on; its blocks are freed within one step."""
@@ -174,10 +193,25 @@ class Engine:
         """Fill every free lane with a planned step."""
         assert self.planner is not None
         while self._free_lanes and not self.worker_lost:
-            plan = self.planner.plan()
+            plan = self.planner.plan(worker_idle=not self._inflight)
             if plan is None:
+                self._wake_at_window_end()
                 return
             self._send(plan, self._free_lanes.pop(0))
+
+    def _wake_at_window_end(self) -> None:
+        """Re-plan when a held-back prefill's batching window ends."""
+        assert self.planner is not None
+        expiry = self.planner.window_expiry()
+        if expiry is None or (self._window_timer is not None and not self._window_timer.cancelled()):
+            return
+        delay = max(0.0, expiry - time.monotonic()) + 0.001
+
+        def wake() -> None:
+            self._window_timer = None
+            self._dispatch()
+
+        self._window_timer = asyncio.get_running_loop().call_later(delay, wake)
 
     def _send(self, plan: StepPlan, lane: int) -> None:
         assert self.blocks is not None
@@ -238,14 +272,21 @@ class Engine:
                 log.warning("ignoring an unexpected %s message from the worker", kind)
 
     def _on_result(self, result: worker_pb2.StepResult) -> None:
-        assert self.outputs is not None
+        assert self.outputs is not None and self.blocks is not None
         batch = self._inflight.pop(result.step_id, None)
         if batch is None:
             log.warning("ignoring the result of unknown step %d", result.step_id)
             return
         self._free_lanes.append(batch.lane)
         self.worker_times.add(result)
-        for request in self.outputs.process(batch, result):
+        finished = self.outputs.process(batch, result)
+        for scheduled in batch.seqs:  # name the blocks this step filled, before any are freed
+            request = scheduled.request
+            if not request.aborted and self.blocks.has_uncommitted(
+                request.seq_id, request.num_computed_tokens
+            ):
+                self.blocks.commit(request.seq_id, request.all_token_ids(), request.num_computed_tokens)
+        for request in finished:
             self._finish(request)
         self._dispatch()
         if self.debug_checks:
@@ -253,11 +294,20 @@ class Engine:
 
     def _finish(self, request: Request) -> None:
         assert self.planner is not None
+        if request.deadline_timer is not None:
+            request.deadline_timer.cancel()
         self.planner.remove(request)
         if request.on_worker:
             self._pending_releases.append(request.seq_id)
             request.on_worker = False
         self._requests.pop(request.seq_id, None)
+
+    def _end_with_error(self, request: Request, code: str, message: str) -> None:
+        """Fail the call now; an in-flight request's blocks are freed when its batch comes back."""
+        request.emit(OutputEvent(error=(code, message)))
+        request.aborted = True
+        if not request.in_flight:
+            self._finish(request)
 
     def _fail(self, request: Request, code: str, message: str) -> None:
         request.emit(OutputEvent(error=(code, message)))

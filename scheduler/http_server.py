@@ -31,13 +31,20 @@ class EngineCollector(Collector):
         blocks = GaugeMetricFamily("duoserve_kv_cache_blocks", "KV-cache blocks by state", labels=["state"])
         utilization = GaugeMetricFamily("duoserve_kv_cache_utilization", "Fraction of KV-cache blocks in use")
         active = GaugeMetricFamily("duoserve_active_batches", "Batches in flight on the worker")
+        hit_ratio = GaugeMetricFamily(
+            "duoserve_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache / prompt tokens admitted",
+        )
         if engine.planner is not None and engine.blocks is not None:
             queue.add_metric(["waiting"], len(engine.planner.waiting))
             queue.add_metric(["running"], len(engine.planner.running))
             free, total = engine.blocks.num_free_blocks, engine.blocks.num_blocks
-            blocks.add_metric(["free"], free)
+            cached = engine.blocks.num_cached_blocks
+            blocks.add_metric(["free"], free - cached)
+            blocks.add_metric(["cached"], cached)
             blocks.add_metric(["used"], total - free)
             utilization.add_metric([], (total - free) / total)
+            hit_ratio.add_metric([], engine.planner.prefix_hit_ratio)
         active.add_metric([], engine.num_inflight_batches)
         preemptions = CounterMetricFamily(
             "duoserve_preemptions", "Running requests preempted for KV blocks", value=engine.num_preemptions
@@ -58,7 +65,7 @@ class EngineCollector(Collector):
             ),
             CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
         )
-        yield from (queue, blocks, utilization, active, preemptions, *worker)
+        yield from (queue, blocks, utilization, active, hit_ratio, preemptions, *worker)
 
 
 def _handler(registry: CollectorRegistry, is_ready: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:

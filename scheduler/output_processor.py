@@ -54,6 +54,7 @@ class OutputProcessor:
         """Append one sampled token, emit its event; True when the request is finished."""
         params = request.params
         request.output_token_ids.append(token_id)
+        request.preemptions_in_a_row = 0
         event = OutputEvent(token_ids=[token_id])
         if logprobs is not None:
             event.logprobs.append(_token_logprob(token_id, logprobs))

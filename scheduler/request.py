@@ -32,6 +32,8 @@ class RequestParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     sampling: worker_pb2.SamplingParams = field(default_factory=worker_pb2.SamplingParams)
+    priority: int = 1  # class rank: 0 interactive, 1 standard, 2 batch
+    deadline_ms: int | None = None  # from arrival; None = only the call's own deadline
 
 
 @dataclass(slots=True)
@@ -65,7 +67,10 @@ class Request:
     in_flight: bool = False  # part of a batch the worker has not answered yet
     aborted: bool = False
     num_preemptions: int = 0
+    preemptions_in_a_row: int = 0  # since it last produced a token
+    num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held at first admission
     finish_reason: FinishReason | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -82,6 +87,13 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         return self.num_computed_tokens >= self.prompt_len and self.num_uncomputed_tokens == 1
+
+    @property
+    def deadline(self) -> float | None:
+        """Monotonic time at which the request fails with DEADLINE_EXCEEDED, if it has a deadline."""
+        if self.params.deadline_ms is None:
+            return None
+        return self.arrival_time + self.params.deadline_ms / 1000
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

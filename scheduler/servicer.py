@@ -26,9 +26,14 @@ DETOKENIZER_CONTEXT = 4
 _ADMISSION_ERRORS = {
     Admission.NOT_READY: (grpc.StatusCode.UNAVAILABLE, "the server is starting: the worker is not ready yet"),
     Admission.SHUTTING_DOWN: (grpc.StatusCode.UNAVAILABLE, "the server is shutting down"),
-    Admission.QUEUE_FULL: (
+    Admission.QUEUE_FULL_REQUESTS: (
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        "the request queue is full (--max-queued-requests); retry later",
+        "the request queue is full: --max-queued-requests requests are waiting or running; retry later",
+    ),
+    Admission.QUEUE_FULL_TOKENS: (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "the request queue is full: this prompt would take the queued prompt tokens past "
+        "--max-queued-tokens; retry later",
     ),
 }
 
@@ -91,7 +96,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     def _usage(self, request: Request) -> inference_pb2.Usage:
         return inference_pb2.Usage(
-            prompt_tokens=request.prompt_len, completion_tokens=len(request.output_token_ids)
+            prompt_tokens=request.prompt_len,
+            completion_tokens=len(request.output_token_ids),
+            cached_prompt_tokens=request.num_cached_prompt_tokens,
         )
 
     # ------------------------------------------------------------------ RPCs

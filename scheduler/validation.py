@@ -22,6 +22,13 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_PROMPT_CHARS = 4_000_000
 MAX_MESSAGES = 1024
+MAX_DEADLINE_MS = 24 * 3600 * 1000
+PRIORITY_RANKS = {
+    inference_pb2.PRIORITY_UNSPECIFIED: 1,
+    inference_pb2.PRIORITY_INTERACTIVE: 0,
+    inference_pb2.PRIORITY_STANDARD: 1,
+    inference_pb2.PRIORITY_BATCH: 2,
+}
 
 
 class InvalidRequest(ValueError):
@@ -186,6 +193,22 @@ def max_tokens(
     return request.max_tokens
 
 
+def priority_rank(request: inference_pb2.GenerateRequest) -> int:
+    if request.priority not in PRIORITY_RANKS:
+        raise InvalidRequest(
+            "priority", f"unknown value {request.priority}; use interactive (1), standard (2) or batch (3)"
+        )
+    return PRIORITY_RANKS[request.priority]
+
+
+def deadline_ms(request: inference_pb2.GenerateRequest) -> int | None:
+    if not request.HasField("deadline_ms"):
+        return None
+    if not 1 <= request.deadline_ms <= MAX_DEADLINE_MS:
+        raise InvalidRequest("deadline_ms", f"{request.deadline_ms} is outside 1..{MAX_DEADLINE_MS}")
+    return request.deadline_ms
+
+
 def validate_generate(
     request: inference_pb2.GenerateRequest, tokenizer: Tokenizer, limits: ModelLimits, default_max_tokens: int
 ) -> tuple[list[int], RequestParams]:
@@ -200,5 +223,7 @@ def validate_generate(
         stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
         sampling=sampling,
+        priority=priority_rank(request),
+        deadline_ms=deadline_ms(request),
     )
     return ids, params

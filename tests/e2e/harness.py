@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,3 +101,35 @@ def wait_until_serving(server: ServerProcess, timeout: float = READY_TIMEOUT_S) 
             time.sleep(0.3)
     server.stop(signal.SIGKILL)
     raise AssertionError(f"duoserve serve not SERVING after {timeout} s:\n{server.log()[-4000:]}")
+
+
+# ------------------------------------------------------------------ shared by the e2e tests
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain gravity to a child in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+    "Give me a synonym for happy.",
+]
+MAX_TOKENS = 24
+
+
+def chat(client: Client, prompt: str, **options: object) -> object:
+    options.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat([("user", prompt)], **options)
+
+
+def metrics(server: ServerProcess) -> dict[str, float]:
+    port = re.findall(r"/health and /metrics on [\w.]+:(\d+)", server.log())[-1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

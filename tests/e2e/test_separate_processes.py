@@ -31,7 +31,12 @@ def test_scheduler_and_worker_run_alone_over_tcp() -> None:
         env=env,
     )
     worker = subprocess.Popen(
-        [DUOSERVE, "worker", "--scheduler-address", address, "--dtype", "float32", "--threads", "2"],
+        [
+            DUOSERVE,
+            "worker",
+            *("--scheduler-address", address, "--dtype", "float32", "--threads", "2"),
+            *("--attention-backend", "torch"),  # the reference path, end to end
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
@@ -41,6 +46,7 @@ def test_scheduler_and_worker_run_alone_over_tcp() -> None:
             client.wait_until_ready(240)
             (model,) = client.list_models()
             assert model.kv_cache_blocks == 256
+            assert model.attention_backend == "torch"
             assert "Paris" in client.chat([("user", "What is the capital of France?")], max_tokens=24).text
         scheduler.send_signal(signal.SIGTERM)
         assert scheduler.wait(30) == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, cast
 
+import pytest
+
 from scheduler.block_manager import BlockManager
 from scheduler.planner import BatchPlanner, PlannerLimits, StepPlan
 from scheduler.request import Request, RequestParams, RequestState
@@ -38,7 +40,8 @@ def make_planner(
         max_inflight=inflight,
         min_lane_seqs=min_lane,
     )
-    return BatchPlanner(BlockManager(num_blocks, block_size), limits)
+    # A clock that stays at 0: arrivals (at their seq ids, in seconds) never age.
+    return BatchPlanner(BlockManager(num_blocks, block_size), limits, clock=lambda: 0.0)
 
 
 def dispatch(plan: StepPlan | None) -> StepPlan:
@@ -151,7 +154,7 @@ def test_dbo_splits_the_running_set_into_lanes() -> None:
     assert [s.request.seq_id for s in summary_plan(planner)] == [1, 2, 3]
 
 
-def test_dbo_does_not_split_below_min_lane_seqs_and_small_remainders_wait_to_merge() -> None:
+def test_dbo_does_not_split_below_min_lane_seqs_and_small_work_waits_to_merge() -> None:
     planner = make_planner(num_blocks=64, block_size=4, inflight=2, min_lane=3)
     for request in [make_request(i, prompt_len=3) for i in range(1, 4)]:
         planner.add(request)
@@ -159,12 +162,16 @@ def test_dbo_does_not_split_below_min_lane_seqs_and_small_remainders_wait_to_mer
     lane_a = dispatch(planner.plan())
     assert [s.request.seq_id for s in lane_a.seqs] == [1, 2, 3]  # halves of 2 and 1 would be below 3
     planner.add(make_request(4, prompt_len=3))
-    lane_b = dispatch(planner.plan())  # a new arrival is never held back
-    assert summary(lane_b) == [(4, 3, [3])]
-    complete(lane_b)
-    assert planner.plan() is None  # one free decode is too few for a lane: it waits for lane a
+    assert planner.plan() is None  # one new prefill is too little for a lane: it waits for lane a
+    planner.add(make_request(5, prompt_len=3))
+    planner.add(make_request(6, prompt_len=3))
+    lane_b = dispatch(planner.plan())  # three waiting requests make a lane
+    assert [s.request.seq_id for s in lane_b.seqs] == [4, 5, 6]
     complete(lane_a)
-    assert [s.request.seq_id for s in summary_plan(planner)] == [1, 2, 3, 4]  # one lane again
+    complete(lane_b)
+    # Six free decodes: equal shares of three are big enough, so the lanes split evenly.
+    assert [s.request.seq_id for s in dispatch(planner.plan()).seqs] == [1, 2, 3]
+    assert [s.request.seq_id for s in dispatch(planner.plan()).seqs] == [4, 5, 6]
 
 
 def summary_plan(planner: BatchPlanner) -> list[Any]:
@@ -182,3 +189,131 @@ def test_removed_requests_free_their_blocks() -> None:
     assert planner.blocks.num_free_blocks == 4
     assert not planner.running and not planner.waiting
     assert request.state is RequestState.FINISHED
+
+
+# ------------------------------------------------------------------------------ classes, prefix cache, window
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def classed(seq_id: int, prompt_len: int, priority: int, arrival: float) -> Request:
+    request = make_request(seq_id, prompt_len, arrival)
+    request.params = RequestParams(max_tokens=100, priority=priority)
+    return request
+
+
+def make_classed_planner(num_blocks: int, clock: FakeClock, **limits: Any) -> BatchPlanner:
+    settings = {"max_batched_tokens": 1000, "max_num_seqs": 64, "prefill_chunk": 1000, "max_inflight": 1}
+    settings.update(limits)
+    return BatchPlanner(BlockManager(num_blocks, 4), PlannerLimits(**settings), clock=clock)
+
+
+def test_waiting_requests_go_by_class_then_arrival() -> None:
+    clock = FakeClock()
+    planner = make_classed_planner(64, clock, max_num_seqs=3)
+    for seq_id, priority in ((1, 2), (2, 1), (3, 0), (4, 1), (5, 0)):
+        planner.add(classed(seq_id, 3, priority, arrival=float(seq_id)))
+    clock.now = 5.0
+    assert [s.request.seq_id for s in dispatch(planner.plan()).seqs] == [3, 5, 2]
+
+
+def test_an_interactive_request_preempts_the_lowest_class_latest_arrival_for_blocks() -> None:
+    clock = FakeClock()
+    planner = make_classed_planner(4, clock)  # 4 blocks of 4 tokens
+    batch_old = classed(1, 3, priority=2, arrival=0.0)
+    standard = classed(2, 3, priority=1, arrival=1.0)
+    batch_new = classed(3, 3, priority=2, arrival=2.0)
+    for request in (batch_old, standard, batch_new):
+        planner.add(request)
+    clock.now = 2.0
+    complete(dispatch(planner.plan()))  # one block each; their decodes fit in it
+    assert planner.blocks.num_free_blocks == 1
+    urgent = classed(4, 8, priority=0, arrival=3.0)  # needs two blocks
+    planner.add(urgent)
+    clock.now = 3.0
+    plan = planner.plan()
+    assert plan is not None
+    assert [r.seq_id for r in plan.preempted] == [3]  # batch class, and the later of the two
+    assert summary(plan) == [(4, 8, [3, 2]), (2, 1, []), (1, 1, [])]  # block 2 was batch_new's
+    assert batch_new.state is RequestState.WAITING and batch_new.preemptions_in_a_row == 1
+    assert planner.num_priority_preemptions == 1
+    planner.blocks.check_integrity()
+
+
+def test_priority_preemption_spares_a_request_preempted_too_often_in_a_row() -> None:
+    clock = FakeClock()
+    planner = make_classed_planner(8, clock, max_num_seqs=1, max_preemptions_in_a_row=1)
+    bulk = classed(1, 3, priority=2, arrival=0.0)
+    planner.add(bulk)
+    complete(dispatch(planner.plan()))
+    bulk.preemptions_in_a_row = 1  # as if just recomputed after a preemption, with no new token yet
+    planner.add(classed(2, 3, priority=0, arrival=1.0))
+    clock.now = 1.0
+    plan = planner.plan()  # the only batch slot is bulk's, and bulk is spared
+    assert plan is not None and plan.preempted == [] and summary(plan) == [(1, 1, [])]
+    bulk.preemptions_in_a_row = 0  # it produced a token since
+    plan = planner.plan()
+    assert plan is not None and plan.preempted == [bulk]
+    assert [s.request.seq_id for s in plan.seqs] == [2]
+
+
+@pytest.mark.parametrize(("now", "first"), [(15.0, 2), (21.0, 1)])
+def test_aging_lets_a_batch_request_overtake_newer_interactive_ones(now: float, first: int) -> None:
+    # At 15 s the batch request has risen one class (to standard): interactive still goes first.
+    # At 21 s it has risen two classes, and it arrived first.
+    clock = FakeClock()
+    planner = make_classed_planner(64, clock, max_num_seqs=1, aging_seconds=10.0)
+    planner.add(classed(1, 3, priority=2, arrival=0.0))
+    planner.add(classed(2, 3, priority=0, arrival=14.0))
+    clock.now = now
+    assert [s.request.seq_id for s in dispatch(planner.plan()).seqs] == [first]
+
+
+def test_a_repeated_prompt_prefills_only_its_uncached_tail() -> None:
+    planner = make_planner(num_blocks=16, block_size=4)
+    first = make_request(1, prompt_len=10)
+    planner.add(first)
+    plan = dispatch(planner.plan())
+    assert summary(plan) == [(1, 10, [0, 1, 2])]
+    complete(plan)
+    planner.blocks.commit(1, first.all_token_ids(), first.num_computed_tokens)
+    second = make_request(2, prompt_len=10)  # same token ids
+    planner.add(second)
+    # Blocks 0 and 1 (8 tokens) are reused; the last 2 prompt tokens are computed in a new block.
+    assert [(s.request.seq_id, s.num_new_tokens, s.new_block_ids) for s in planner.plan().seqs] == [  # type: ignore[union-attr]
+        (1, 1, []),
+        (2, 2, [3]),
+    ]
+    assert second.num_computed_tokens == 8 and second.num_cached_prompt_tokens == 8
+    assert planner.blocks.table(2) == [0, 1, 3]
+    assert planner.prefix_hit_ratio == 8 / 20
+
+
+def test_prefill_window_holds_a_new_prompt_back_only_while_the_worker_has_work() -> None:
+    clock = FakeClock()
+    planner = make_classed_planner(64, clock, prefill_window=0.05)
+    planner.add(classed(1, 3, priority=1, arrival=0.0))
+    assert planner.plan(worker_idle=False) is None  # waits for company...
+    assert planner.window_expiry() == pytest.approx(0.05 * (1 - 3 / 1000))
+    assert planner.plan(worker_idle=True) is not None  # ...but never while the worker would idle
+    planner.add(classed(2, 3, priority=1, arrival=0.0))
+    clock.now = 0.06
+    assert planner.plan(worker_idle=False) is not None  # its window is over
+
+
+def test_queued_prompt_tokens_count_only_requests_that_never_ran() -> None:
+    planner = make_planner(num_blocks=64, block_size=4)
+    first, second = make_request(1, prompt_len=5), make_request(2, prompt_len=7)
+    planner.add(first)
+    planner.add(second)
+    assert planner.queued_prompt_tokens == 12
+    planner.remove(second)
+    assert planner.queued_prompt_tokens == 5
+    dispatch(planner.plan())
+    assert planner.queued_prompt_tokens == 0

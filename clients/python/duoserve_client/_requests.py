@@ -38,8 +38,15 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
     logprobs: int | None
+    priority: str | None
+    deadline_ms: int | None
 
 
+PRIORITIES = {
+    "interactive": inference_pb2.PRIORITY_INTERACTIVE,
+    "standard": inference_pb2.PRIORITY_STANDARD,
+    "batch": inference_pb2.PRIORITY_BATCH,
+}
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
 
@@ -125,6 +132,8 @@ def build_generate_request(
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    priority: str | None = None,
+    deadline_ms: int | None = None,
 ) -> inference_pb2.GenerateRequest:
     """A GenerateRequest; exactly one of prompt, prompt_token_ids and messages must be given."""
     sources = (("prompt", prompt), ("prompt_token_ids", prompt_token_ids), ("messages", messages))
@@ -147,7 +156,17 @@ def build_generate_request(
     elif messages is not None:
         request.messages.extend(_messages_to_proto(to_messages(messages)))
 
-    for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("logprobs", logprobs)):
+    if priority is not None:
+        if priority not in PRIORITIES:
+            raise InvalidArgumentError(f"priority: {priority!r}; use one of {', '.join(PRIORITIES)}")
+        request.priority = PRIORITIES[priority]
+    numbers = (
+        ("max_tokens", max_tokens),
+        ("top_k", top_k),
+        ("logprobs", logprobs),
+        ("deadline_ms", deadline_ms),
+    )
+    for name, value in numbers:
         if value is not None:
             setattr(request, name, _check_uint(name, value))
     if seed is not None:

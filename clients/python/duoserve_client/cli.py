@@ -42,6 +42,10 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-token-ids", nargs="+", action="extend", type=int, metavar="ID")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--logprobs", type=int, metavar="N", help="return logprobs with the top N")
+    parser.add_argument(
+        "--priority", choices=("interactive", "standard", "batch"), help="scheduling class (default standard)"
+    )
+    parser.add_argument("--deadline-ms", type=int, help="server-side deadline from arrival, in milliseconds")
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per chunk with --stream)")
 
@@ -106,6 +110,8 @@ def _sampling_options(args: argparse.Namespace) -> GenerateOptions:
         "stop_token_ids": args.stop_token_ids,
         "ignore_eos": args.ignore_eos,
         "logprobs": args.logprobs,
+        "priority": args.priority,
+        "deadline_ms": args.deadline_ms,
     }
 
 
