@@ -12,7 +12,8 @@ import enum
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,15 +36,19 @@ class Admission(enum.Enum):
     QUEUE_FULL_TOKENS = "queue_full_tokens"
 
 
+IDLE_RATIO_WINDOW_S = 10.0
+
+
 @dataclass(slots=True)
 class WorkerTimes:
-    """Seconds the worker reported across all steps (see StepResult)."""
+    """Seconds the worker reported across all steps (see StepResult), and over a recent window."""
 
     busy: float = 0.0  # forward + sampling
     wait: float = 0.0  # idle while sequences were in flight
     staging: float = 0.0
     exposed_staging: float = 0.0
     steps: int = 0
+    recent: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def add(self, result: worker_pb2.StepResult) -> None:
         self.busy += result.compute_seconds
@@ -51,6 +56,17 @@ class WorkerTimes:
         self.staging += result.staging_seconds
         self.exposed_staging += result.exposed_staging_seconds
         self.steps += 1
+        self.recent.append((time.monotonic(), result.compute_seconds, result.wait_seconds))
+
+    def idle_ratio(self, window: float = IDLE_RATIO_WINDOW_S) -> float:
+        """wait / (wait + busy) over the steps that ended in the last `window` seconds (0 when none)."""
+        since = time.monotonic() - window
+        busy = wait = 0.0
+        for ended, step_busy, step_wait in list(self.recent):
+            if ended >= since:
+                busy += step_busy
+                wait += step_wait
+        return wait / (wait + busy) if wait + busy > 0 else 0.0
 
 
 class Engine:
@@ -279,7 +295,7 @@ class Engine:
             return
         self._free_lanes.append(batch.lane)
         self.worker_times.add(result)
-        finished = self.outputs.process(batch, result)
+        finished, tokens = self.outputs.apply(batch, result)
         for scheduled in batch.seqs:  # name the blocks this step filled, before any are freed
             request = scheduled.request
             if not request.aborted and self.blocks.has_uncommitted(
@@ -288,7 +304,14 @@ class Engine:
                 self.blocks.commit(request.seq_id, request.all_token_ids(), request.num_computed_tokens)
         for request in finished:
             self._finish(request)
+        # The next step goes out before the text work, so the worker does not wait for it.
         self._dispatch()
+        for request in self.outputs.emit(tokens):
+            # A stop string ended it after it may have joined the step just dispatched: its blocks
+            # are freed when that step comes back, and the token it computes there is dropped.
+            request.aborted = True
+            if not request.in_flight:
+                self._finish(request)
         if self.debug_checks:
             self._check_integrity()
 

@@ -64,6 +64,11 @@ class EngineCollector(Collector):
                 value=times.exposed_staging,
             ),
             CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
+            GaugeMetricFamily(
+                "duoserve_worker_idle_ratio",
+                "Worker wait / (wait + busy) over the last 10 s of steps",
+                value=times.idle_ratio(),
+            ),
         )
         yield from (queue, blocks, utilization, active, hit_ratio, preemptions, *worker)
 

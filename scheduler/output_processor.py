@@ -19,15 +19,32 @@ class InflightBatch:
     seqs: list[ScheduledSeq]
 
 
+@dataclass(slots=True)
+class NewToken:
+    """A sampled token applied to its request, whose event is still to be built."""
+
+    request: Request
+    token_id: int
+    logprobs: worker_pb2.SequenceLogprobs | None
+    finished: bool  # by a stop token, EOS, max_tokens or the context length
+
+
 class OutputProcessor:
-    """Turns sampled token ids into streamed text and finish decisions."""
+    """Turns sampled token ids into finish decisions, then into streamed text.
+
+    Two phases, so that the scheduler can dispatch the next step between them: `apply`
+    appends the tokens and decides every finish that needs no text (EOS, stop tokens,
+    max_tokens, context length); `emit` detokenizes, checks stop strings and sends events.
+    """
 
     def __init__(self, eos_token_ids: Iterable[int], context_length: int) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
 
-    def process(self, batch: InflightBatch, result: worker_pb2.StepResult) -> list[Request]:
-        """Apply `result` to the batch's requests; returns those that finished."""
+    def apply(
+        self, batch: InflightBatch, result: worker_pb2.StepResult
+    ) -> tuple[list[Request], list[NewToken]]:
+        """Advance the batch's requests by `result`: (requests now finished, tokens to emit)."""
         by_seq: dict[int, Request] = {}
         for scheduled in batch.seqs:
             request = scheduled.request
@@ -38,27 +55,42 @@ class OutputProcessor:
         token_ids = np.frombuffer(result.token_ids, dtype="<i4")
         assert len(seq_ids) == len(token_ids), "step result: seq_ids and token_ids differ in length"
         finished = [r for r in by_seq.values() if r.aborted]
+        tokens = []
         for seq_id, token_id in zip(seq_ids.tolist(), token_ids.tolist(), strict=True):
             assert seq_id in by_seq, f"step {batch.step_id}: result for sequence {seq_id} it did not carry"
             request = by_seq[seq_id]
             if request.aborted:
                 continue
-            logprobs = result.logprobs.get(seq_id) if seq_id in result.logprobs else None
-            if self._apply_token(request, token_id, logprobs):
+            params = request.params
+            request.output_token_ids.append(token_id)
+            request.preemptions_in_a_row = 0
+            done = (
+                token_id in params.stop_token_ids
+                or (token_id in self.eos_token_ids and not params.ignore_eos)
+                or len(request.output_token_ids) >= params.max_tokens
+                or request.num_tokens >= self.context_length
+            )
+            if done:
                 finished.append(request)
-        return finished
+            logprobs = result.logprobs.get(seq_id) if seq_id in result.logprobs else None
+            tokens.append(NewToken(request, token_id, logprobs, done))
+        return finished, tokens
 
-    def _apply_token(
-        self, request: Request, token_id: int, logprobs: worker_pb2.SequenceLogprobs | None
-    ) -> bool:
-        """Append one sampled token, emit its event; True when the request is finished."""
+    def emit(self, tokens: list[NewToken]) -> list[Request]:
+        """Send each token's event; returns the requests a stop string finished (not known to `apply`)."""
+        stopped = []
+        for new in tokens:
+            if self._emit_one(new) and not new.finished:
+                stopped.append(new.request)
+        return stopped
+
+    def _emit_one(self, new: NewToken) -> bool:
+        """Build and send one token's event; True when it ends the request."""
+        request, token_id = new.request, new.token_id
         params = request.params
-        request.output_token_ids.append(token_id)
-        request.preemptions_in_a_row = 0
         event = OutputEvent(token_ids=[token_id])
-        if logprobs is not None:
-            event.logprobs.append(_token_logprob(token_id, logprobs))
-
+        if new.logprobs is not None:
+            event.logprobs.append(_token_logprob(token_id, new.logprobs))
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             event.text = request.detokenizer.flush()
             event.finish_reason = FinishReason.STOP
@@ -66,10 +98,7 @@ class OutputProcessor:
             event.text = request.detokenizer.push(token_id)
             if request.detokenizer.stopped:
                 event.finish_reason = FinishReason.STOP
-            elif (
-                len(request.output_token_ids) >= params.max_tokens
-                or request.num_tokens >= self.context_length
-            ):
+            elif new.finished:  # max_tokens or the context length
                 event.text += request.detokenizer.flush()
                 # The held-back tail may itself complete a stop string.
                 event.finish_reason = (

@@ -178,3 +178,19 @@ def test_deadline_ms_fails_a_queued_request_without_running_it(two_slot_server: 
     assert 0.3 <= elapsed < 5.0, elapsed
     assert "deadline_ms=300" in caught.value.details
     assert metrics(two_slot_server)["duoserve_worker_steps_total"] > steps_before  # the load ran meanwhile
+
+
+def test_worker_time_metrics_move_under_load(two_slot_server: ServerProcess) -> None:
+    before = metrics(two_slot_server)
+    with Client(two_slot_server.target) as client:
+        load = long_running(client, 48, priority="standard")
+        wait_running(two_slot_server, 1)
+        during = metrics(two_slot_server)
+        load.join(timeout=120)
+    after = metrics(two_slot_server)
+    assert during["duoserve_active_batches"] >= 1
+    assert after["duoserve_active_batches"] == 0
+    assert after["duoserve_worker_busy_seconds_total"] > before["duoserve_worker_busy_seconds_total"]
+    assert after["duoserve_worker_steps_total"] >= before["duoserve_worker_steps_total"] + 48
+    assert after["duoserve_worker_wait_seconds_total"] >= before["duoserve_worker_wait_seconds_total"]
+    assert 0.0 <= after["duoserve_worker_idle_ratio"] < 0.5  # one batch in flight: mostly busy
