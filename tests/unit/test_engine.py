@@ -1,0 +1,211 @@
+"""The Engine against a scripted worker over real ZeroMQ: no model, exact control of steps and timing."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import zmq
+
+from protos import worker_pb2
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Admission, Engine
+from scheduler.request import OutputEvent, Request, RequestParams
+
+TOKEN = 42  # what the scripted worker samples, always
+
+
+class SilentDetokenizer:
+    """The OutputProcessor's view of a detokenizer, for token-only tests: no text, no stop strings."""
+
+    stopped = False
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class ScriptedWorker:
+    """Answers every Step after `step_seconds`, sampling TOKEN for each sequence that reaches its end."""
+
+    address: str
+    device: str = "cpu"
+    num_blocks: int = 64
+    step_seconds: float = 0.01
+    seen_seq_ids: set[int] = field(default_factory=set)
+    steps: list[list[int]] = field(default_factory=list)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.connect(self.address)
+        socket.send(worker_pb2.WorkerMessage(hello=worker_pb2.Hello(worker_id=0, pid=1)).SerializeToString())
+        configure = worker_pb2.SchedulerMessage.FromString(socket.recv()).configure
+        ready = worker_pb2.Ready(
+            model_name="scripted",
+            context_length=4096,
+            vocab_size=100,
+            dtype="float32",
+            attention_backend="none",
+            device=self.device,
+            block_size=configure.block_size,
+            num_blocks=self.num_blocks,
+        )
+        socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
+        lengths: dict[int, list[int]] = {}  # seq_id -> [tokens known, tokens computed]
+        while True:
+            message = worker_pb2.SchedulerMessage.FromString(socket.recv())
+            if message.WhichOneof("kind") != "step":
+                break
+            step = message.step
+            scheduled = []
+            for new in step.new_sequences:
+                lengths[new.seq_id] = [len(np.frombuffer(new.token_ids, "<i4")), new.num_computed_tokens]
+                scheduled.append((new.seq_id, new.num_new_tokens))
+            scheduled += [(r.seq_id, r.num_new_tokens) for r in step.running]
+            self.steps.append([seq_id for seq_id, _ in scheduled])
+            self.seen_seq_ids.update(seq_id for seq_id, _ in scheduled)
+            time.sleep(self.step_seconds)
+            sampled = []
+            for seq_id, num_new in scheduled:
+                state = lengths[seq_id]
+                state[1] += num_new
+                if state[1] == state[0]:
+                    state[0] += 1
+                    sampled.append(seq_id)
+            result = worker_pb2.StepResult(
+                step_id=step.step_id,
+                lane=step.lane,
+                seq_ids=np.asarray(sampled, dtype="<u8").tobytes(),
+                token_ids=np.full(len(sampled), TOKEN, dtype="<i4").tobytes(),
+                compute_seconds=self.step_seconds,
+            )
+            socket.send(worker_pb2.WorkerMessage(result=result).SerializeToString())
+        socket.close(linger=0)
+        context.term()
+
+
+def make_request(engine: Engine, prompt_len: int, **params: Any) -> Request:
+    params.setdefault("max_tokens", 4)
+    return Request(
+        request_id=f"r{prompt_len}",
+        seq_id=engine.new_seq_id(),
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        params=RequestParams(ignore_eos=True, **params),
+        detokenizer=cast(Any, SilentDetokenizer()),
+        events=asyncio.Queue(),
+    )
+
+
+async def events_of(request: Request) -> AsyncIterator[OutputEvent]:
+    while True:
+        event = await asyncio.wait_for(request.events.get(), timeout=10)
+        yield event
+        if event.finish_reason is not None or event.error is not None:
+            return
+
+
+async def outcome(request: Request) -> tuple[list[int], str]:
+    tokens = []
+    async for event in events_of(request):
+        tokens += event.token_ids
+        if event.error is not None:
+            return tokens, event.error[0]
+        if event.finish_reason is not None:
+            return tokens, event.finish_reason.name
+    raise AssertionError("no final event")
+
+
+async def with_engine(worker: ScriptedWorker, **config: Any) -> Engine:
+    engine = Engine(
+        SchedulerConfig(model="scripted", worker_address=worker.address, **config), frozenset({2}), True
+    )
+    worker.start()
+    await engine.start()
+    return engine
+
+
+async def stop(engine: Engine, worker: ScriptedWorker) -> None:
+    await engine.close()
+    worker.join()
+
+
+def address() -> str:
+    return f"ipc://{tempfile.mktemp(prefix='duoserve-engine-test-')}"
+
+
+def test_a_queued_request_past_its_deadline_never_reaches_the_worker() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), step_seconds=0.02)
+        engine = await with_engine(worker, max_num_seqs=1)
+        running = make_request(engine, 5, max_tokens=30)
+        queued = make_request(engine, 5, deadline_ms=100)
+        assert engine.submit(running) is Admission.ADMITTED
+        assert engine.submit(queued) is Admission.ADMITTED
+        started = time.monotonic()
+        assert await outcome(queued) == ([], "DEADLINE_EXCEEDED")
+        assert 0.09 <= time.monotonic() - started < 1.0
+        assert await outcome(running) == ([TOKEN] * 30, "LENGTH")
+        assert queued.seq_id not in worker.seen_seq_ids
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+def test_queue_limits_refuse_at_submit_and_name_the_limit() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), step_seconds=0.05)
+        engine = await with_engine(worker, max_num_seqs=1, max_queued_requests=3, max_queued_tokens=12)
+        first, second = make_request(engine, 5), make_request(engine, 6)
+        assert engine.submit(first) is Admission.ADMITTED  # starts at once: no longer queued
+        assert engine.submit(second) is Admission.ADMITTED  # queued: 6 tokens
+        assert engine.submit(make_request(engine, 7)) is Admission.QUEUE_FULL_TOKENS  # 6 + 7 > 12
+        assert engine.submit(make_request(engine, 6)) is Admission.ADMITTED  # 6 + 6 = 12
+        assert engine.submit(make_request(engine, 1)) is Admission.QUEUE_FULL_REQUESTS  # 3 in the engine
+        assert (await outcome(first))[1] == "LENGTH"
+        assert (await outcome(second))[1] == "LENGTH"
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("device", "most_in_flight"), [("cuda", 2), ("cpu", 1)])
+def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, most_in_flight: int) -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), device=device, step_seconds=0.02)
+        engine = await with_engine(worker, max_inflight=2)
+        requests = [make_request(engine, 3, max_tokens=12) for _ in range(6)]
+        for request in requests:
+            engine.submit(request)
+        seen = 0
+        while any(r.state.name != "FINISHED" for r in requests):
+            seen = max(seen, engine.num_inflight_batches)
+            await asyncio.sleep(0.002)
+        assert seen == most_in_flight
+        for request in requests:
+            assert await outcome(request) == ([TOKEN] * 12, "LENGTH")
+        # No sequence was ever in two batches at once: every step's sequences are distinct.
+        assert all(len(ids) == len(set(ids)) for ids in worker.steps)
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
