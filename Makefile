@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py clients/python/duoserve_client
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not gpu"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -43,6 +43,10 @@ protos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/serving.py
+
+# On a machine with an NVIDIA GPU: the GPU test subset, kernel and end-to-end benchmarks, one table.
+gpu-check:
+	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info clients/python/*.egg-info

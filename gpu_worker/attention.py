@@ -144,3 +144,53 @@ class CpuPagedAttention(TorchPagedAttention):
             check_block_tables(meta.block_tables, meta.context_lens, k_cache.shape[0], k_cache.shape[1])
             self._local.checked = meta
         return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens)
+
+
+class TritonPagedAttention:
+    """The GPU backend: KV write, decode (split-K) and chunked prefill, each one Triton launch per layer.
+
+    Also runs on the CPU under TRITON_INTERPRET=1, which is how the tests exercise it there.
+    """
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from kernels import fused_ops, paged_attention  # triton is needed only here
+
+        assert num_heads % num_kv_heads == 0, f"{num_heads=} is not a multiple of {num_kv_heads=}"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._write_kv = fused_ops.write_kv
+        self._decode = paged_attention.paged_decode_attention
+        self._prefill = paged_attention.paged_prefill_attention
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D], rows may be strided (a view into qkv)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H * D]
+        k_cache, v_cache = kv_cache
+        self._write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        decodes = batch.decode.num_seqs if batch.decode is not None else 0
+        if batch.decode is not None:
+            meta = batch.decode
+            out[:decodes] = self._decode(
+                q[:decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context
+            )
+        if batch.prefills:
+            out[decodes:] = self._prefill(
+                q[decodes:],
+                k_cache,
+                v_cache,
+                batch.block_tables[decodes:],
+                batch.query_start_loc[decodes:] - decodes,
+                batch.context_lens[decodes:],
+                max(chunk.num_tokens for chunk in batch.prefills),
+            )
+        return out.view(q.shape[0], -1)

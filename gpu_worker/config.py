@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 class WorkerConfigError(ValueError):

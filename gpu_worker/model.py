@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import TorchPagedAttention
+from gpu_worker.attention import TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import make_linear, packed_linear_available
 from gpu_worker.loader import ModelConfig
@@ -79,7 +79,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention block and SwiGLU MLP block, each with a residual connection."""
 
     def __init__(
-        self, config: ModelConfig, attention: TorchPagedAttention, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        attention: TorchPagedAttention | TritonPagedAttention,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         h = config.hidden_size
@@ -119,6 +123,32 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
         return hidden + self._mlp(self.post_attention_layernorm(hidden))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, hidden]: input_layernorm(residual), already applied
+        residual: torch.Tensor,  # [T, hidden]: updated in place
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        next_norm: RMSNorm,
+    ) -> torch.Tensor:  # next_norm(residual) after this layer
+        """The Triton path: residual adds fused into the norms, rotary in place, fused SiLU-and-mul."""
+        from kernels.fused_ops import fused_add_rms_norm, rotary_embedding, silu_and_mul
+
+        tokens = x.shape[0]
+        qkv = self.qkv(x)
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        rotary_embedding(q, k, positions, inv_freq)
+        attn = self.o_proj(self.attention(q, k, v, kv_cache, batch))
+        x = fused_add_rms_norm(
+            attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
+        )
+        mlp = self.down(silu_and_mul(self.gate_up(x)))
+        return fused_add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
+
     def _attention(
         self,
         x: torch.Tensor,
@@ -156,7 +186,9 @@ class LlamaModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.attention = TorchPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention: TorchPagedAttention | TritonPagedAttention = TorchPagedAttention(
+            config.num_heads, config.num_kv_heads, config.head_dim
+        )
         self.embed_tokens = _empty_param((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.attention, dtype, device) for _ in range(config.num_layers)
@@ -174,7 +206,12 @@ class LlamaModel(nn.Module):
     def attention_backend(self) -> str:
         return self.attention.name
 
-    def use_attention(self, attention: TorchPagedAttention) -> None:
+    @property
+    def fused_ops(self) -> bool:
+        """Whether forward takes the Triton path (fused norms, rotary and SiLU-and-mul)."""
+        return self.attention.name == "triton"
+
+    def use_attention(self, attention: TorchPagedAttention | TritonPagedAttention) -> None:
         """Swap the attention backend of every layer (the worker picks it once the block size is known)."""
         self.attention = attention
         for layer in self.layers:
@@ -221,8 +258,23 @@ class LlamaModel(nn.Module):
         """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only."""
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
+        if self.fused_ops:
+            return self._forward_fused(hidden, batch, kv_caches)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, batch)
         hidden = hidden.index_select(0, batch.logits_indices)  # [S, hidden]
         return self.lm_head_linear(self.norm(hidden)).float()  # [S, vocab]
+
+    def _forward_fused(
+        self,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [S, vocab] float32
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        x = layers[0].input_layernorm(residual)
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
+            x = layer.forward_fused(x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm)
+        return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()

@@ -17,13 +17,14 @@ import setproctitle
 import torch
 import zmq
 
-from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
+from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
+from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from protos import worker_pb2
 
@@ -97,12 +98,22 @@ def plan_num_blocks(
 
 def make_attention(
     name: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
-) -> TorchPagedAttention:
-    """The attention backend for `--attention-backend`: "cpu" (the C decode kernel) or "torch".
+) -> TorchPagedAttention | TritonPagedAttention:
+    """The attention backend for `--attention-backend`.
 
-    "auto" takes the C kernel on the CPU when it builds here, else the torch path, and says why.
+    "auto": Triton kernels on CUDA; on the CPU the C decode kernel when it builds here, else the
+    torch path, saying why. "triton" on the CPU needs TRITON_INTERPRET=1 (slow; for tests).
     """
     shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        if device.type != "cuda" and not interpreting():
+            raise SystemExit(
+                "--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 for tests)"
+            )
+        try:
+            return TritonPagedAttention(*shape)
+        except ImportError as exc:
+            raise SystemExit(f"--attention-backend triton: {exc} (pip install triton)") from exc
     if name == "torch" or device.type != "cpu":
         if name == "cpu":
             raise SystemExit(f"--attention-backend cpu runs on the CPU only, not on {device}")

@@ -151,7 +151,7 @@ def test_forward_batch_layout_exact() -> None:
 
 
 def _reference_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf_model.device)
     out = hf_model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -180,11 +180,13 @@ TINY_VARIANTS: dict[int, dict[str, Any]] = {
 
 
 def use_backend(model: LlamaModel, config: ModelConfig, backend: str, block_size: int) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")  # on the CPU it runs interpreted (tests/conftest.py)
     model.use_attention(make_attention(backend, config, model.dtype, model.device, block_size))
     assert model.attention_backend == backend
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("block_size", sorted(TINY_VARIANTS))
 def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backend: str) -> None:
     torch.manual_seed(block_size)
@@ -252,10 +254,33 @@ CHAT_PROMPTS = [
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm2: tuple[Path, ModelConfig, LlamaModel]) -> None:
     path, config, model = smollm2
+    check_smollm2_against_transformers(path, config, model, "cpu")
+
+
+@pytest.mark.gpu
+def test_smollm2_on_cuda_with_triton_kernels_matches_transformers() -> None:
+    """The GPU path (Triton attention, fused norms, rotary and SiLU) against transformers on the same GPU."""
+    assert torch.cuda.is_available(), "the gpu subset runs on a machine with a CUDA device (make gpu-check)"
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
+    path = find_default_model()
+    config, weights = load_model(path)
+    model = LlamaModel(config, torch.float32, "cuda")
+    model.load_weights(weights)
+    use_backend(model, config, "triton", block_size=16)
+    check_smollm2_against_transformers(path, config, model, "cuda")
+
+
+def check_smollm2_against_transformers(
+    path: Path, config: ModelConfig, model: LlamaModel, device: str
+) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf_model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+        .eval()
+        .to(device)
+    )
     prompts = [
         list(
             tokenizer.apply_chat_template(

@@ -1,0 +1,172 @@
+"""Decode-attention microbenchmark: the paged kernel against gather + scaled_dot_product_attention.
+
+    python bench/decode_attention.py                 # CUDA: the Triton kernel; CPU: the C kernel
+    python bench/decode_attention.py --json out.json
+
+For each (sequences, context) case it times, on the same cache and block tables:
+- the kernel reading the paged cache in place (Triton on CUDA, kernels/cpu on the CPU);
+- the baseline: gather every sequence's blocks into a padded buffer, then SDPA (GQA);
+and prints milliseconds, the speedup, and the kernel's achieved bandwidth (bytes of K and V it
+must read / time) as a fraction of the device's memory bandwidth (`--peak-gbs`; default: the
+nominal figure for known GPUs, else a large device-to-device copy measured here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+NOMINAL_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "A10": 600.0}
+CASES = [(1, 8192), (8, 2048), (64, 512), (256, 1024)]
+CPU_CASES = [(1, 4096), (16, 1024), (64, 320)]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def measured_copy_gbs(device: torch.device) -> float:
+    """Read + write bandwidth of a 1 GiB (CUDA) / 256 MiB (CPU) tensor copy."""
+    size = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, repeats=5)
+    return 2 * size / (ms / 1e3) / 1e9
+
+
+def peak_gbs(device: torch.device, given: float | None) -> tuple[float, str]:
+    if given:
+        return given, "given"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in NOMINAL_GBS.items():
+            if key in name:
+                return value, f"nominal {name}"
+    return measured_copy_gbs(device), "measured copy"
+
+
+def make_case(
+    num_seqs: int, context: int, dtype: torch.dtype, device: torch.device, heads: int = 9, kv_heads: int = 3
+) -> dict[str, torch.Tensor]:
+    block, dim = 16, 64
+    per_seq = -(-context // block)
+    num_blocks = num_seqs * per_seq + 1
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: num_seqs * per_seq].view(num_seqs, per_seq)
+    return {
+        "q": torch.randn(num_seqs, heads, dim, dtype=dtype, device=device),
+        "k_cache": torch.randn(num_blocks, block, kv_heads, dim, dtype=dtype, device=device),
+        "v_cache": torch.randn(num_blocks, block, kv_heads, dim, dtype=dtype, device=device),
+        "tables": tables.to(torch.int32).to(device),
+        "lens": torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+    }
+
+
+def baseline(case: dict[str, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    q, k_cache, v_cache, tables = case["q"], case["k_cache"], case["v_cache"], case["tables"]
+    num_seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    flat = tables.long().view(-1)
+    length = tables.shape[1] * k_cache.shape[1]
+
+    def run() -> torch.Tensor:
+        keys = k_cache.index_select(0, flat).view(num_seqs, length, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(num_seqs, length, kv_heads, dim).transpose(1, 2)
+        queries = q.view(num_seqs, kv_heads, heads // kv_heads, dim)
+        return F.scaled_dot_product_attention(queries, keys, values)
+
+    return run
+
+
+def kernel(case: dict[str, torch.Tensor], device: torch.device, context: int) -> Callable[[], torch.Tensor]:
+    q, k_cache, v_cache, tables, lens = (case[k] for k in ("q", "k_cache", "v_cache", "tables", "lens"))
+    if device.type == "cuda":
+        from kernels.paged_attention import paged_decode_attention
+
+        return lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, context)
+    from kernels.cpu_decode import load_cpu_decode_attention
+
+    cpu_kernel = load_cpu_decode_attention(
+        q.shape[2], q.shape[1] // k_cache.shape[2], k_cache.shape[1], q.dtype
+    )
+    return lambda: cpu_kernel(q, k_cache, v_cache, tables, lens)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--peak-gbs", type=float, help="the device's memory bandwidth, GB/s")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    dtype = getattr(torch, args.dtype)
+    peak, source = peak_gbs(device, args.peak_gbs)
+    print(
+        f"# decode attention on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"{args.dtype}, 9 query / 3 KV heads of 64, blocks of 16; peak {peak:.0f} GB/s ({source})"
+    )
+    print(
+        f"  {'seqs':>5} {'context':>8} {'kernel ms':>10} {'gather+SDPA ms':>15} {'speedup':>8} {'GB/s':>8} {'of peak':>8}"
+    )
+    rows = []
+    for num_seqs, context in CASES if device.type == "cuda" else CPU_CASES:
+        case = make_case(num_seqs, context, dtype, device)
+        ours = kernel(case, device, context)
+        reference = baseline(case)
+        torch.testing.assert_close(
+            ours().float().view(num_seqs, -1), reference().float().reshape(num_seqs, -1), atol=3e-2, rtol=3e-2
+        )
+        kernel_ms = time_ms(ours, device)
+        baseline_ms = time_ms(reference, device)
+        kv_bytes = (
+            2 * num_seqs * context * case["k_cache"].shape[2] * case["k_cache"].shape[3] * dtype.itemsize
+        )
+        gbs = kv_bytes / (kernel_ms / 1e3) / 1e9
+        rows.append(
+            {
+                "seqs": num_seqs,
+                "context": context,
+                "kernel_ms": kernel_ms,
+                "baseline_ms": baseline_ms,
+                "speedup": baseline_ms / kernel_ms,
+                "gbs": gbs,
+                "fraction_of_peak": gbs / peak,
+            }
+        )
+        print(
+            f"  {num_seqs:>5} {context:>8} {kernel_ms:>10.3f} {baseline_ms:>15.3f} {baseline_ms / kernel_ms:>7.2f}x "
+            f"{gbs:>8.0f} {gbs / peak:>7.1%}",
+            flush=True,
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

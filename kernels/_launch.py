@@ -1,0 +1,56 @@
+"""What every Triton launcher shares: argument checks that name the argument, and the interpreter switch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_in_fp32() -> bool:
+    """Whether kernels cast tl.dot operands to float32 first.
+
+    Triton's interpreter (3.x) multiplies bfloat16 operands of tl.dot wrongly, so interpreted
+    runs (the CPU tests) take the float32 path; on a GPU the operands stay in their own dtype
+    for the tensor cores.
+    """
+    return interpreting()
+
+
+def device_ok(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda" or (interpreting() and tensor.device.type == "cpu")
+
+
+def require(ok: bool, name: str, tensor: torch.Tensor, expected: str) -> None:
+    if not ok:
+        raise ValueError(
+            f"{name}: expected {expected}, got shape {tuple(tensor.shape)} {tensor.dtype} "
+            f"strides {tensor.stride()} on {tensor.device}"
+        )
+
+
+def require_tensor(
+    tensor: torch.Tensor,
+    name: str,
+    *,
+    dims: int,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    contiguous: bool = True,
+) -> None:
+    """`tensor` has `dims` dimensions, one of `dtypes`, is contiguous (when asked) and on a kernel device."""
+    require(tensor.dim() == dims, name, tensor, f"{dims} dimensions")
+    require(tensor.dtype in dtypes, name, tensor, f"dtype in {tuple(str(d) for d in dtypes)}")
+    require(not contiguous or tensor.is_contiguous(), name, tensor, "a contiguous tensor")
+    require(device_ok(tensor), name, tensor, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

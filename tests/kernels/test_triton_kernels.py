@@ -1,0 +1,236 @@
+"""Every Triton kernel against its torch reference, at the shapes that hit the edges.
+
+On a machine without a GPU they run through Triton's interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py), on a GPU on the device: the same tests, the GPU subset of `make gpu-check`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gpu_worker.loader import Llama3RopeScaling, ModelConfig
+from gpu_worker.model import rope_inv_freq
+from kernels.fused_ops import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_reference,
+    rotary_embedding,
+    rotary_embedding_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+    write_kv,
+    write_kv_reference,
+)
+from kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def random_cache(
+    lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V caches with each sequence's blocks scattered over the pool; tables padded with a spare block."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lengths), max(needed) + 1), order[-1], dtype=torch.int32)
+    for row, count in enumerate(needed):
+        tables[row, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tolerance, rtol=tolerance)
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group"), [(16, 3, 3), (8, 2, 1), (32, 1, 8)])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_attention_matches_reference(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, num_splits: int | None
+) -> None:
+    b = block_size
+    lengths = [1, b - 1, b, b + 1, 5 * b + 3]
+    head_dim = 64
+    k_cache, v_cache, tables = random_cache(lengths, b, num_kv_heads, head_dim, dtype, seed=b + group)
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(1))
+    q = q.to(dtype).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, max(lengths), num_splits=num_splits)
+    assert_close(
+        out,
+        paged_decode_attention_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu()),
+        dtype,
+    )
+
+
+@pytest.mark.parametrize(("length", "splits"), [(1025, (1, 8, None)), (8192, (None,))])
+def test_decode_attention_splits_one_long_context_and_keeps_large_scores_stable(
+    length: int, splits: tuple[int | None, ...]
+) -> None:
+    # One sequence of 1024 + 1 tokens (65 blocks), or SmolLM2's whole context: split-K spreads it out.
+    k_cache, v_cache, tables = random_cache([length], 16, 1, 128, torch.float32, seed=7)
+    q = (torch.randn(1, 2, 128, generator=torch.Generator().manual_seed(2)) * 20).to(DEVICE)
+    lens = torch.tensor([length], dtype=torch.int32, device=DEVICE)
+    expected = paged_decode_attention_reference(
+        q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), lens.cpu()
+    )
+    for num_splits in splits:
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, length, num_splits=num_splits)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_attention_launcher_checks_its_arguments() -> None:
+    k_cache, v_cache, tables = random_cache([5], 16, 2, 64, torch.float32, seed=0)
+    q = torch.randn(1, 4, 64, device=DEVICE)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_cache: expected dtype torch\.bfloat16"):
+        paged_decode_attention(q.bfloat16(), k_cache, v_cache, tables, lens, 5)
+    with pytest.raises(ValueError, match="block_tables: expected dtype in"):
+        paged_decode_attention(q, k_cache, v_cache, tables.long(), lens, 5)
+    with pytest.raises(ValueError, match="q: expected a contiguous tensor"):
+        paged_decode_attention(q.transpose(1, 2), k_cache, v_cache, tables, lens, 5)
+    with pytest.raises(ValueError, match="q: expected a multiple of 2 heads"):
+        paged_decode_attention(q[:, :3].contiguous(), k_cache, v_cache, tables, lens, 5)
+    with pytest.raises(ValueError, match="block_tables: expected room for 100 tokens"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 100)
+
+
+# ------------------------------------------------------------------------------------ prefill
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group"), [(16, 3, 3), (8, 1, 8), (32, 2, 1)])
+def test_prefill_attention_matches_reference_over_mixed_chunks(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int
+) -> None:
+    b = block_size
+    # (tokens already cached, chunk length): fresh prompts, cached prefixes ending mid-block and
+    # on a block boundary, a one-token chunk, a chunk spanning several query tiles.
+    chunks = [(0, 1), (0, b + 1), (b, 5), (7, 2 * b - 1), (2 * b, 33), (3, 1)]
+    contexts = [cached + length for cached, length in chunks]
+    head_dim = 32
+    k_cache, v_cache, tables = random_cache(contexts, b, num_kv_heads, head_dim, dtype, seed=b * group)
+    starts = [0]
+    for _, length in chunks:
+        starts.append(starts[-1] + length)
+    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(3))
+    q = q.to(dtype).to(DEVICE)
+    query_start = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
+    expected = paged_prefill_attention_reference(
+        q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), query_start.cpu(), lens.cpu()
+    )
+    assert_close(out, expected, dtype)
+
+
+# ------------------------------------------------------------------------------------ KV write
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_each_token_at_its_slot_and_skips_padding(dtype: torch.dtype) -> None:
+    num_kv_heads, head_dim, block_size = 3, 16, 8
+    qkv = torch.randn(6, (4 + 2 * num_kv_heads) * head_dim).to(dtype).to(DEVICE)  # q of 4 heads, then k, v
+    k = qkv[:, 4 * head_dim : (4 + num_kv_heads) * head_dim].view(6, num_kv_heads, head_dim)
+    v = qkv[:, (4 + num_kv_heads) * head_dim :].view(6, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 7, 8, -1, 23, 9], device=DEVICE)  # block boundaries, and one padding token
+    caches = [
+        torch.zeros(3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(4)
+    ]
+    write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_reference(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4, 5, 6]].abs().sum() == 0  # untouched
+
+
+# ------------------------------------------------------------------------------------ fused elementwise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 64), (5, 576), (3, 1000)])
+def test_fused_add_rms_norm_matches_the_model(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = torch.randn(hidden, generator=gen).to(dtype).to(DEVICE)
+    expected_residual = residual.clone()
+    expected = fused_add_rms_norm_reference(x, expected_residual, weight, 1e-5)
+    out = fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert_close(residual, expected_residual, dtype)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "ffn"), [(1, 8), (4, 1536), (2, 1100)])
+def test_silu_and_mul_matches_the_model(dtype: torch.dtype, tokens: int, ffn: int) -> None:
+    gate_up = (
+        (torch.randn(tokens, 2 * ffn, generator=torch.Generator().manual_seed(ffn)) * 3).to(dtype).to(DEVICE)
+    )
+    assert_close(silu_and_mul(gate_up), silu_and_mul_reference(gate_up), dtype)
+
+
+LLAMA3 = Llama3RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [None, LLAMA3], ids=["plain", "llama3"])
+def test_rotary_embedding_rotates_q_and_k_in_place_like_the_model(
+    dtype: torch.dtype, scaling: Llama3RopeScaling | None
+) -> None:
+    head_dim, heads, kv_heads = 64, 4, 2
+    config = ModelConfig(
+        name="t",
+        vocab_size=10,
+        hidden_size=heads * head_dim,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        context_length=8192,
+        rope_scaling=scaling,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    inv_freq = rope_inv_freq(config).to(DEVICE)
+    positions = torch.tensor([0, 1, 15, 16, 1000, 8191], device=DEVICE)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(5))
+    qkv = qkv.to(dtype).to(DEVICE)
+    q = qkv[:, : heads * head_dim].view(6, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(6, kv_heads, head_dim)
+    q_ref, k_ref = q.clone(), k.clone()
+    rotary_embedding_reference(q_ref, k_ref, positions, inv_freq)
+    rotary_embedding(q, k, positions, inv_freq)
+    # Angles up to 8191 rad: float32 cos/sin of Triton and torch may differ by a few ulp before rounding.
+    tolerance = max(TOLERANCE[dtype], 1e-4)
+    torch.testing.assert_close(q.float().cpu(), q_ref.float().cpu(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(k.float().cpu(), k_ref.float().cpu(), atol=tolerance, rtol=tolerance)
+    assert math.isfinite(float(q.float().abs().max()))
