@@ -25,6 +25,9 @@ class WorkerConfig:
     threads: int = 0
     sbo: bool = True
     seed: int = 0
+    otlp_endpoint: str = ""
+    otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "--dtype", self.dtype, ", ".join(DTYPES))
@@ -41,6 +44,13 @@ class WorkerConfig:
             self.kv_cache_memory,
             "a fraction of free device memory in [0, 0.95] (0 = the device's default)",
         )
+        _check(
+            self.otlp_protocol in ("", "grpc", "http/protobuf"),
+            "--otlp-protocol",
+            self.otlp_protocol,
+            "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
+        )
+        _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
         _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
         _check(

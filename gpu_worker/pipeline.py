@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from opentelemetry.trace import Span
 
 from gpu_worker.runner import ModelRunner, StagedStep
 from protos import worker_pb2
+from scheduler import tracing
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,28 @@ class _Timings:
         result.compute_seconds = time.perf_counter() - started
 
 
+def _step_span(staged: StagedStep) -> Span:
+    """The worker's span of one step: child of the first traced sequence's span, linked to all of them."""
+    parent, links = tracing.links_and_parent(staged.traceparents)
+    batch = staged.batch
+    decodes = batch.decode.num_seqs if batch is not None and batch.decode is not None else 0
+    tokens = batch.num_tokens if batch is not None else 0
+    return tracing.tracer().start_span(
+        "worker.step",
+        context=parent,
+        links=links,
+        attributes={
+            "duoserve.step_id": staged.step_id,
+            "duoserve.lane": staged.lane,
+            "duoserve.batch.sequences": len(batch.chunk_order) if batch is not None else 0,
+            "duoserve.batch.tokens": tokens,
+            "duoserve.batch.decode_tokens": decodes,
+            "duoserve.batch.prefill_tokens": tokens - decodes,
+            "duoserve.batch.traced_sequences": len(staged.traceparents),
+        },
+    )
+
+
 class StepPipeline:
     """Receives, stages, executes and answers steps until the scheduler says Shutdown."""
 
@@ -96,14 +120,28 @@ class StepPipeline:
         assert item.staged is not None
         had_work = self.runner.has_work_in_flight
         started = time.perf_counter()
+        span = _step_span(item.staged) if tracing.enabled() and item.staged.traceparents else None
         try:
             result = self.runner.execute(item.staged)
         except Exception as err:
             log.exception("step %d failed", item.staged.step_id)
+            if span is not None:
+                span.record_exception(err)
+                span.end()
             send(_error_message(item.staged.step_id, f"step failed: {err}").SerializeToString())
             timings.ready_at = time.perf_counter()
             return
         timings.fill(result, item, had_work, started)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "duoserve.step.staging_seconds": result.staging_seconds,
+                    "duoserve.step.exposed_staging_seconds": result.exposed_staging_seconds,
+                    "duoserve.step.compute_seconds": result.compute_seconds,
+                    "duoserve.step.wait_seconds": result.wait_seconds,
+                }
+            )
+            span.end()
         send(worker_pb2.WorkerMessage(result=result).SerializeToString())
         timings.ready_at = time.perf_counter()
 

@@ -44,6 +44,7 @@ class StagedStep:
     sampled: list[SeqState]  # sequences sampling a token, in logits-row order
     staging_seconds: float = 0.0
     staged_at: float = field(default_factory=time.perf_counter)
+    traceparents: dict[int, str] = field(default_factory=dict)  # traced sequences' spans (see worker.proto)
 
 
 def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
@@ -139,6 +140,7 @@ class ModelRunner:
             batch=batch,
             sampled=sampled,
             staging_seconds=time.perf_counter() - started,
+            traceparents=dict(step.traceparents),
         )
 
     @torch.inference_mode()

@@ -27,6 +27,7 @@ from gpu_worker.runner import ModelRunner
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from protos import worker_pb2
+from scheduler import tracing
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,16 @@ def warm_up(runner: ModelRunner, block_size: int) -> None:
 def run_worker(config: WorkerConfig) -> int:
     """Run one worker process until the scheduler says Shutdown; returns the exit code."""
     setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
+    tracing.setup(
+        tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
+    )
+    try:
+        return _run(config)
+    finally:
+        tracing.shutdown()
+
+
+def _run(config: WorkerConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)

@@ -7,23 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("configure", "step", "shutdown", "trace_context")
-    class TraceContextEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("configure", "step", "shutdown")
     CONFIGURE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     configure: Configure
     step: Step
     shutdown: Shutdown
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, configure: _Optional[_Union[Configure, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, configure: _Optional[_Union[Configure, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Configure(_message.Message):
     __slots__ = ("block_size", "max_blocks", "max_num_seqs")
@@ -92,18 +83,27 @@ class RunningSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step_id", "lane", "new_sequences", "running", "released_seq_ids")
+    __slots__ = ("step_id", "lane", "new_sequences", "running", "released_seq_ids", "traceparents")
+    class TraceparentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     lane: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running: _containers.RepeatedCompositeFieldContainer[RunningSequence]
     released_seq_ids: bytes
-    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[bytes] = ...) -> None: ...
+    traceparents: _containers.ScalarMap[int, str]
+    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[bytes] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ()

@@ -48,6 +48,22 @@ COMMON_FLAGS = (
     Flag("--model", str, "", "GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct)"),
     Flag("--log-level", str, "info", "logging level", ("debug", "info", "warning", "error")),
 )
+TRACING_FLAGS = (
+    Flag(
+        "--otlp-endpoint",
+        str,
+        "",
+        "OTLP collector for traces, e.g. http://localhost:4317 (default: $OTEL_EXPORTER_OTLP_ENDPOINT; unset = off)",
+    ),
+    Flag(
+        "--otlp-protocol",
+        str,
+        "",
+        "OTLP transport (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
+        ("", "grpc", "http/protobuf"),
+    ),
+    Flag("--trace-sample-ratio", float, 1.0, "share of requests traced when the caller sent no traceparent"),
+)
 SCHEDULER_FLAGS = (
     Flag("--host", str, "localhost", "gRPC listen host"),
     Flag("--port", int, 50051, "gRPC listen port"),
@@ -146,9 +162,9 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     parser = argparse.ArgumentParser(prog="duoserve", description="gRPC LLM serving with DBO and SBO")
     sub = parser.add_subparsers(dest="command", required=True)
     groups = {
-        "serve": (COMMON_FLAGS, SCHEDULER_FLAGS, WORKER_FLAGS),
-        "scheduler": (COMMON_FLAGS, SCHEDULER_FLAGS),
-        "worker": (COMMON_FLAGS, WORKER_FLAGS, WORKER_ONLY_FLAGS),
+        "serve": (COMMON_FLAGS, TRACING_FLAGS, SCHEDULER_FLAGS, WORKER_FLAGS),
+        "scheduler": (COMMON_FLAGS, TRACING_FLAGS, SCHEDULER_FLAGS),
+        "worker": (COMMON_FLAGS, TRACING_FLAGS, WORKER_FLAGS, WORKER_ONLY_FLAGS),
     }
     helps = {
         "serve": "start the scheduler and its worker(s), wait until ready, stop all on SIGINT/SIGTERM",

@@ -33,6 +33,9 @@ class SchedulerConfig:
     prefill_window_ms: float = 0.0
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
+    otlp_endpoint: str = ""
+    otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
@@ -66,6 +69,13 @@ class SchedulerConfig:
             0 <= self.prefill_window_ms <= 10_000, "--prefill-window-ms", self.prefill_window_ms, "0..10000"
         )
         _check(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
+        _check(
+            self.otlp_protocol in ("", "grpc", "http/protobuf"),
+            "--otlp-protocol",
+            self.otlp_protocol,
+            "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
+        )
+        _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
         _check(self.shutdown_grace >= 0, "--shutdown-grace", self.shutdown_grace, ">= 0")
         _check(
             self.worker_address.startswith(("ipc://", "tcp://")),

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,7 @@ class Engine:
         self._window_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self.worker_lost = False
+        self.on_worker_lost: Callable[[], object] | None = None
         self.num_preemptions = 0
         self.worker_times = WorkerTimes()
 
@@ -234,14 +236,24 @@ class Engine:
         self.num_preemptions += len(plan.preempted)
         for request in plan.preempted:
             log.debug("preempted request %s (recomputed later)", request.request_id)
+            if request.trace is not None:
+                request.trace.preempted(len(request.all_token_ids()))
             if request.on_worker:
                 self._pending_releases.append(request.seq_id)
                 request.on_worker = False
         step = worker_pb2.Step(step_id=next(self._step_ids), lane=lane)
         step.released_seq_ids = np.asarray(self._pending_releases, dtype="<u8").tobytes()
         self._pending_releases.clear()
+        now = time.monotonic()
         for scheduled in plan.seqs:
             request = scheduled.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.trace is not None:
+                prefill = scheduled.num_new_tokens > 1 or request.num_computed_tokens < request.prompt_len
+                step.traceparents[request.seq_id] = request.trace.step_started(
+                    step.step_id, lane, scheduled.num_new_tokens, request.num_computed_tokens, prefill
+                )
             if not request.on_worker:
                 # Unknown to the worker: sent in full, with its whole block table.
                 step.new_sequences.append(
@@ -296,6 +308,9 @@ class Engine:
         self._free_lanes.append(batch.lane)
         self.worker_times.add(result)
         finished, tokens = self.outputs.apply(batch, result)
+        for scheduled in batch.seqs:
+            if scheduled.request.trace is not None:
+                scheduled.request.trace.step_finished(batch.step_id)
         for scheduled in batch.seqs:  # name the blocks this step filled, before any are freed
             request = scheduled.request
             if not request.aborted and self.blocks.has_uncommitted(
@@ -319,6 +334,19 @@ class Engine:
         assert self.planner is not None
         if request.deadline_timer is not None:
             request.deadline_timer.cancel()
+        if request.trace is not None and request.seq_id in self._requests:
+            ttft = (
+                None if request.first_token_time is None else request.first_token_time - request.arrival_time
+            )
+            reason = request.finish_reason.name.lower() if request.finish_reason is not None else "error"
+            request.trace.finish(
+                request.prompt_len,
+                len(request.output_token_ids),
+                request.num_cached_prompt_tokens,
+                ttft,
+                reason,
+                request.num_preemptions,
+            )
         self.planner.remove(request)
         if request.on_worker:
             self._pending_releases.append(request.seq_id)
@@ -339,7 +367,10 @@ class Engine:
         self._finish(request)
 
     def _lose_worker(self, reason: str) -> None:
+        log.error("worker lost: %s", reason)
         self.worker_lost = True
+        if self.on_worker_lost is not None:
+            self.on_worker_lost()
         for request in list(self._requests.values()):
             self._fail(request, "UNAVAILABLE", reason)
         self._inflight.clear()

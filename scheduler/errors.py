@@ -31,6 +31,17 @@ class RpcFailure(Exception):
         self.message = message
 
 
+def status_code_of(err: BaseException) -> grpc.StatusCode:
+    """The status code an exception ends its RPC with (CANCELLED for cancellation)."""
+    if isinstance(err, RpcFailure):
+        return err.code
+    if isinstance(err, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if not isinstance(err, Exception):  # asyncio.CancelledError, GeneratorExit: the call went away
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
+
+
 def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, RpcFailure):
         return err.code, err.message

@@ -101,8 +101,10 @@ def _handler(registry: CollectorRegistry, is_ready: Callable[[], bool]) -> type[
 class HttpEndpoint:
     """Serves /health and /metrics on a background thread."""
 
-    def __init__(self, host: str, port: int, engine: Engine) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(
+        self, host: str, port: int, engine: Engine, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.registry = registry or CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         self._server = ThreadingHTTPServer((host, port), _handler(self.registry, lambda: engine.ready))
         self._server.daemon_threads = True

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
+from scheduler.cli import SCHEDULER_FLAGS, TRACING_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
 from scheduler.config import SchedulerConfig
 from scheduler.proctitle import die_with_parent, set_process_title
 
@@ -109,10 +109,11 @@ def serve(args: Namespace) -> int:
         worker = worker_config(
             args, scheduler_address=config.worker_address, worker_id=worker_id, model=config.model
         )
-        argv = ["worker", *model, *flags_to_argv(WORKER_FLAGS, worker)]
+        argv = ["worker", *model, *flags_to_argv((*TRACING_FLAGS, *WORKER_FLAGS), worker)]
         argv += ["--scheduler-address", worker.scheduler_address, "--worker-id", str(worker_id)]
         children.append(_spawn(f"worker {worker_id}", argv))
-    children.append(_spawn("scheduler", ["scheduler", *model, *flags_to_argv(SCHEDULER_FLAGS, config)]))
+    scheduler_argv = flags_to_argv((*TRACING_FLAGS, *SCHEDULER_FLAGS), config)
+    children.append(_spawn("scheduler", ["scheduler", *model, *scheduler_argv]))
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

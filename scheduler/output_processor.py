@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -64,6 +65,10 @@ class OutputProcessor:
             params = request.params
             request.output_token_ids.append(token_id)
             request.preemptions_in_a_row = 0
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+                if request.trace is not None:
+                    request.trace.token(0)
             done = (
                 token_id in params.stop_token_ids
                 or (token_id in self.eos_token_ids and not params.ignore_eos)

@@ -6,9 +6,13 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protos import inference_pb2, worker_pb2
 from scheduler.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from scheduler.tracing import RequestTrace
 
 
 class FinishReason(enum.Enum):
@@ -71,6 +75,9 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held at first admission
     finish_reason: FinishReason | None = None
     deadline_timer: asyncio.TimerHandle | None = None
+    first_scheduled_time: float | None = None  # monotonic: its first step was dispatched
+    first_token_time: float | None = None  # monotonic
+    trace: RequestTrace | None = None  # set when this request is traced
 
     @property
     def prompt_len(self) -> int:

@@ -10,11 +10,14 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from protos import inference_pb2, inference_pb2_grpc
+from scheduler import tracing
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.http_server import HttpEndpoint
+from scheduler.metrics import RequestMetrics
 from scheduler.model_files import model_name, resolve_model
 from scheduler.proctitle import set_process_title
 from scheduler.servicer import InferenceServicer
@@ -43,6 +46,9 @@ class SchedulerServer:
             self.config, self.tokenizer.eos_token_ids, debug_checks=os.environ.get(DEBUG_CHECKS_ENV) == "1"
         )
         self.health = health.aio.HealthServicer()
+        loop = asyncio.get_running_loop()
+        # A lost worker turns the gRPC health NOT_SERVING, as /health already reads engine.ready.
+        self.engine.on_worker_lost = lambda: loop.create_task(self._set_serving(False))
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -50,7 +56,10 @@ class SchedulerServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = InferenceServicer(self.engine, self.tokenizer, self.model_name)
+        self.registry = CollectorRegistry()
+        servicer = InferenceServicer(
+            self.engine, self.tokenizer, self.model_name, RequestMetrics(self.registry)
+        )
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -72,7 +81,7 @@ class SchedulerServer:
             log.error("cannot listen on %s (in use?)", self.config.grpc_address)
             return 1
         try:
-            http = HttpEndpoint(self.config.host, self.config.metrics_port, self.engine)
+            http = HttpEndpoint(self.config.host, self.config.metrics_port, self.engine, self.registry)
         except OSError as err:
             log.error("cannot serve /health and /metrics on port %d: %s", self.config.metrics_port, err)
             return 1
@@ -114,4 +123,10 @@ class SchedulerServer:
 def run_scheduler(config: SchedulerConfig) -> int:
     """Run the scheduler process until SIGINT/SIGTERM; returns the exit code."""
     set_process_title("scheduler")
-    return asyncio.run(SchedulerServer(config).run())
+    tracing.setup(
+        tracing.SCHEDULER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
+    )
+    try:
+        return asyncio.run(SchedulerServer(config).run())
+    finally:
+        tracing.shutdown()

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from protos import inference_pb2, inference_pb2_grpc
+from scheduler import tracing
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.engine import Admission, Engine
-from scheduler.errors import RpcFailure, stream_errors, unary_errors
+from scheduler.errors import RpcFailure, status_code_of, stream_errors, unary_errors
+from scheduler.metrics import RequestMetrics
 from scheduler.request import OutputEvent, Request, RequestState
 from scheduler.tokenizer import Tokenizer
 from scheduler.validation import InvalidRequest, ModelLimits, check_model, render_messages, validate_generate
@@ -38,11 +43,20 @@ _ADMISSION_ERRORS = {
 }
 
 
+@dataclass(slots=True)
+class _Call:
+    span: Span | None = None
+    request: Request | None = None
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, tokenizer: Tokenizer, model_name: str, metrics: RequestMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.metrics = metrics
 
     # ------------------------------------------------------------------ helpers
 
@@ -59,7 +73,42 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             kv_capacity_tokens=info.num_blocks * info.block_size,
         )
 
-    def _admit(self, message: inference_pb2.GenerateRequest) -> Request:
+    @contextlib.contextmanager
+    def _call(self, context: grpc.aio.ServicerContext, method: str) -> Iterator[_Call]:
+        """One Generate/GenerateStream call: its root span (continuing the caller's traceparent,
+        when tracing is on) and, when it ends, the request metrics with its status code."""
+        call = _Call()
+        if tracing.enabled():
+            call.span = tracing.tracer().start_span(
+                f"duoserve.v1.Inference/{method}",
+                context=tracing.extract(context.invocation_metadata() or ()),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "rpc.system": "grpc",
+                    "rpc.service": "duoserve.v1.Inference",
+                    "rpc.method": method,
+                },
+            )
+        code = "OK"
+        try:
+            yield call
+        except BaseException as err:
+            status = status_code_of(err)
+            code = status.name
+            if call.span is not None:
+                call.span.set_attribute("rpc.grpc.status_code", status.value[0])
+                call.span.set_status(Status(StatusCode.ERROR, f"{code}: {err}"))
+            raise
+        finally:
+            if self.metrics is not None:
+                if call.request is not None:
+                    self.metrics.record(call.request, code)
+                else:  # refused before it was admitted: invalid, overloaded, not ready
+                    self.metrics.requests.labels(finish_reason="none", code=code).inc()
+            if call.span is not None:
+                call.span.end()
+
+    def _admit(self, message: inference_pb2.GenerateRequest, call: _Call | None = None) -> Request:
         limits = self._limits()
         ids, params = validate_generate(
             message, self.tokenizer, limits, self.engine.config.default_max_tokens
@@ -74,9 +123,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             ),
             events=asyncio.Queue(),
         )
+        if call is not None and call.span is not None and call.span.is_recording():
+            request.trace = tracing.RequestTrace(call.span, self.model_name)
         admission = self.engine.submit(request)
         if admission is not Admission.ADMITTED:
             raise RpcFailure(*_ADMISSION_ERRORS[admission])
+        if call is not None:
+            call.request = request
         return request
 
     async def _events(self, request: Request) -> AsyncIterator[OutputEvent]:
@@ -107,35 +160,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, message: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
-        request = self._admit(message)
-        response = inference_pb2.GenerateResponse(request_id=request.request_id)
-        texts = []
-        async for event in self._events(request):
-            texts.append(event.text)
-            response.token_ids.extend(event.token_ids)
-            response.logprobs.extend(event.logprobs)
-            if event.finish_reason is not None:
-                response.finish_reason = event.finish_reason.value
-        response.text = "".join(texts)
-        response.usage.CopyFrom(self._usage(request))
-        return response
+        with self._call(context, "Generate") as call:
+            request = self._admit(message, call)
+            response = inference_pb2.GenerateResponse(request_id=request.request_id)
+            texts = []
+            async for event in self._events(request):
+                texts.append(event.text)
+                response.token_ids.extend(event.token_ids)
+                response.logprobs.extend(event.logprobs)
+                if event.finish_reason is not None:
+                    response.finish_reason = event.finish_reason.value
+            response.text = "".join(texts)
+            response.usage.CopyFrom(self._usage(request))
+            return response
 
     @stream_errors
     async def GenerateStream(
         self, message: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateStreamResponse]:
-        request = self._admit(message)
-        async for event in self._events(request):
-            chunk = inference_pb2.GenerateStreamResponse(
-                request_id=request.request_id,
-                text=event.text,
-                token_ids=event.token_ids,
-                logprobs=event.logprobs,
-            )
-            if event.finish_reason is not None:
-                chunk.finish_reason = event.finish_reason.value
-                chunk.usage.CopyFrom(self._usage(request))
-            yield chunk
+        with self._call(context, "GenerateStream") as call:
+            request = self._admit(message, call)
+            async for event in self._events(request):
+                chunk = inference_pb2.GenerateStreamResponse(
+                    request_id=request.request_id,
+                    text=event.text,
+                    token_ids=event.token_ids,
+                    logprobs=event.logprobs,
+                )
+                if event.finish_reason is not None:
+                    chunk.finish_reason = event.finish_reason.value
+                    chunk.usage.CopyFrom(self._usage(request))
+                yield chunk
 
     @unary_errors
     async def Tokenize(

@@ -42,6 +42,7 @@ class ScriptedWorker:
     device: str = "cpu"
     num_blocks: int = 64
     step_seconds: float = 0.01
+    fail_at_step: int | None = None  # answer this step (1-based) with an error message
     seen_seq_ids: set[int] = field(default_factory=set)
     steps: list[list[int]] = field(default_factory=list)
     _thread: threading.Thread | None = None
@@ -84,6 +85,10 @@ class ScriptedWorker:
             scheduled += [(r.seq_id, r.num_new_tokens) for r in step.running]
             self.steps.append([seq_id for seq_id, _ in scheduled])
             self.seen_seq_ids.update(seq_id for seq_id, _ in scheduled)
+            if len(self.steps) == self.fail_at_step:
+                error = worker_pb2.WorkerError(step_id=step.step_id, message="scripted failure")
+                socket.send(worker_pb2.WorkerMessage(error=error).SerializeToString())
+                break
             time.sleep(self.step_seconds)
             sampled = []
             for seq_id, num_new in scheduled:
@@ -206,6 +211,23 @@ def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, 
             assert await outcome(request) == ([TOKEN] * 12, "LENGTH")
         # No sequence was ever in two batches at once: every step's sequences are distinct.
         assert all(len(ids) == len(set(ids)) for ids in worker.steps)
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_error_fails_its_requests_unavailable_and_reports_the_loss() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), fail_at_step=3)
+        engine = await with_engine(worker)
+        lost = []
+        engine.on_worker_lost = lambda: lost.append(True)
+        request = make_request(engine, 4, max_tokens=10)
+        engine.submit(request)
+        tokens, code = await outcome(request)
+        assert code == "UNAVAILABLE" and tokens == [TOKEN, TOKEN]
+        assert lost == [True] and not engine.ready
+        assert engine.submit(make_request(engine, 4)) is Admission.NOT_READY
         await stop(engine, worker)
 
     asyncio.run(scenario())

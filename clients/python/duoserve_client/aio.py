@@ -14,6 +14,7 @@ from duoserve_client._health import CHECK_METHOD, health_messages, status_name
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
 from duoserve_client._requests import MessageLike, build_generate_request, build_tokenize_request
 from duoserve_client._retry import Deadline
+from duoserve_client._tracing import with_trace_context
 from duoserve_client.errors import DeadlineExceededError, error_for_status, error_from_rpc
 from duoserve_client.results import (
     Completion,
@@ -224,7 +225,11 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=deadline.remaining(), metadata=self._settings.metadata)
+                return await method(
+                    request,
+                    timeout=deadline.remaining(),
+                    metadata=with_trace_context(self._settings.metadata),
+                )
             except grpc.RpcError as err:
                 delay = self._settings.retry.delay(attempt, err.code())
                 if delay is None or not deadline.allows(delay):
@@ -241,7 +246,9 @@ class AsyncClient:
             remaining = deadline.remaining()
             if remaining == 0.0:
                 raise error_for_status(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while retrying")
-            call = self._stub.GenerateStream(request, timeout=remaining, metadata=self._settings.metadata)
+            call = self._stub.GenerateStream(
+                request, timeout=remaining, metadata=with_trace_context(self._settings.metadata)
+            )
             received = False
             try:
                 async for response in call:
