@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
@@ -188,3 +189,49 @@ def test_a_request_without_a_caller_context_starts_its_own_trace(
     assert root.parent_span_id is None and root.trace_id != CLIENT_TRACE_ID
     spans = wait_for(spans_in, root.trace_id, lambda s: any(x.service == "duoserve-worker" for x in s))
     assert any(s.name == "decode" for s in spans)
+
+
+def test_otlp_over_http_set_by_the_standard_variables() -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT / _PROTOCOL instead of flags, and OTLP/HTTP instead of gRPC."""
+    receiver = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            assert self.path == "/v1/traces"
+            receiver.Export(trace_service_pb2.ExportTraceServiceRequest.FromString(body), None)
+            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{http.server_address[1]}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    server = start_server("--dtype", "float32", "--metrics-port", "0", env=env)
+    try:
+        with Client(server.target) as client:
+            client.generate("Hi", max_tokens=3, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while True:
+            with receiver.lock:
+                roots = [s for s in receiver.spans if s.name == "duoserve.v1.Inference/Generate"]
+                services = {s.service for s in receiver.spans}
+            if roots and services == {"duoserve-scheduler", "duoserve-worker"}:
+                break
+            assert time.monotonic() < deadline, f"spans never arrived over HTTP: {receiver.spans}"
+            time.sleep(0.1)
+        (root,) = roots
+        assert root.attributes["gen_ai.usage.output_tokens"] == 3
+    finally:
+        assert server.stop() == 0
+        http.shutdown()
