@@ -7,8 +7,10 @@ then Step -> StepResult until Shutdown.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +97,47 @@ def plan_num_blocks(
     if num_blocks < 1:
         raise SystemExit(f"--kv-cache-memory {fraction}: not even one KV block of {per_block} bytes fits")
     return num_blocks
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class Heartbeat:
+    """Tells the scheduler this process is alive, from a thread and a socket of its own.
+
+    Independent of the compute thread, so a long step never looks like a dead worker; the
+    scheduler notices a hung step by its step timeout instead.
+    """
+
+    def __init__(self, address: str, worker_id: int, interval: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.address = address
+        self.message = worker_pb2.WorkerMessage(
+            heartbeat=worker_pb2.Heartbeat(worker_id=worker_id, pid=os.getpid())
+        ).SerializeToString()
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="duoserve-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 4)  # never pile heartbeats up behind a stalled link
+        socket.connect(self.address)
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(zmq.Again):  # the queue is full: the scheduler is not reading
+                    socket.send(self.message, zmq.NOBLOCK)
+                self._stop.wait(self.interval)
+        finally:
+            socket.close(linger=0)
 
 
 def make_attention(
@@ -225,7 +268,12 @@ def _run(config: WorkerConfig) -> int:
             model.attention_backend,
             "on" if config.sbo else "off",
         )
-        StepPipeline(socket, runner, config.sbo).run()
+        heartbeat = Heartbeat(config.scheduler_address, config.worker_id)
+        heartbeat.start()
+        try:
+            StepPipeline(socket, runner, config.sbo).run()
+        finally:
+            heartbeat.stop()
         log.info("shutdown requested by the scheduler")
         return 0
     finally:

@@ -110,16 +110,26 @@ class Shutdown(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "ready", "result", "error")
+    __slots__ = ("hello", "ready", "result", "error", "heartbeat")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     ready: Ready
     result: StepResult
     error: WorkerError
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("worker_id", "pid")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    pid: int
+    def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("worker_id", "pid")

@@ -97,6 +97,8 @@ SCHEDULER_FLAGS = (
         "a new prefill may wait this long for others to batch with (shrinks as the queue fills)",
     ),
     Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
+    Flag("--worker-timeout", float, 5.0, "seconds without a worker heartbeat before it counts as lost"),
+    Flag("--step-timeout", float, 300.0, "seconds a step may go unanswered before the worker counts as hung"),
     Flag("--shutdown-grace", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
 )
 WORKER_FLAGS = (

@@ -33,6 +33,8 @@ class SchedulerConfig:
     prefill_window_ms: float = 0.0
     default_max_tokens: int = 256
     shutdown_grace: float = 10.0
+    worker_timeout: float = 5.0  # no heartbeat for this long: the worker is lost
+    step_timeout: float = 300.0  # a step unanswered for this long: the worker is hung
     otlp_endpoint: str = ""
     otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
     trace_sample_ratio: float = 1.0
@@ -76,6 +78,8 @@ class SchedulerConfig:
             "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
         )
         _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
+        _check(self.worker_timeout > 0, "--worker-timeout", self.worker_timeout, "> 0 seconds")
+        _check(self.step_timeout > 0, "--step-timeout", self.step_timeout, "> 0 seconds")
         _check(self.shutdown_grace >= 0, "--shutdown-grace", self.shutdown_grace, ">= 0")
         _check(
             self.worker_address.startswith(("ipc://", "tcp://")),

@@ -91,6 +91,8 @@ class Engine:
         self._step_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._recv_task: asyncio.Task[None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._last_heard = 0.0  # monotonic time of the worker's last message
         self._window_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self.worker_lost = False
@@ -126,6 +128,8 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)
         self.worker_info = ready
         self._recv_task = asyncio.create_task(self._receive_loop(), name="worker-results")
+        self._last_heard = time.monotonic()
+        self._watchdog_task = asyncio.create_task(self._watchdog(), name="worker-watchdog")
         log.info(
             "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens",
             ready.model_name,
@@ -156,6 +160,8 @@ class Engine:
                 log.warning("could not tell the worker to shut down: %s", err)
         if self._recv_task is not None:
             self._recv_task.cancel()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
         self._link.close()
 
     # ------------------------------------------------------------------ requests
@@ -278,24 +284,41 @@ class Engine:
                     )
                 )
             request.in_flight = True
-        self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs)
+        self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs, sent_at=now)
         task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))
         task.add_done_callback(self._on_send_done)
 
     def _on_send_done(self, task: asyncio.Future[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("sending a step to the worker failed: %s", task.exception())
-            self._lose_worker("the worker could not be reached")
+            self._lose_worker("the worker was lost: it could not be reached")
+
+    async def _watchdog(self) -> None:
+        """Declare the worker lost when its heartbeats stop or a step goes unanswered too long."""
+        period = min(0.25, self.config.worker_timeout / 4)
+        while not self.worker_lost:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            silent = now - self._last_heard
+            if silent > self.config.worker_timeout:
+                self._lose_worker(f"the worker was lost: no heartbeat for {silent:.1f} s")
+            elif self._inflight:
+                oldest = min(batch.sent_at for batch in self._inflight.values())
+                if now - oldest > self.config.step_timeout:
+                    self._lose_worker(f"the worker was lost: a step went unanswered for {now - oldest:.0f} s")
 
     async def _receive_loop(self) -> None:
         while True:
             message = await self._link.recv()
+            self._last_heard = time.monotonic()
             kind = message.WhichOneof("kind")
+            if kind == "heartbeat":
+                continue
             if kind == "result":
                 self._on_result(message.result)
             elif kind == "error":
                 log.error("worker failed step %d: %s", message.error.step_id, message.error.message)
-                self._lose_worker(f"the worker failed: {message.error.message}")
+                self._lose_worker(f"the worker was lost: it failed a step ({message.error.message})")
             else:
                 log.warning("ignoring an unexpected %s message from the worker", kind)
 
@@ -367,7 +390,9 @@ class Engine:
         self._finish(request)
 
     def _lose_worker(self, reason: str) -> None:
-        log.error("worker lost: %s", reason)
+        if self.worker_lost:
+            return
+        log.error("%s", reason)
         self.worker_lost = True
         if self.on_worker_lost is not None:
             self.on_worker_lost()

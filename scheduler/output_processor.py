@@ -18,6 +18,7 @@ class InflightBatch:
     step_id: int
     lane: int
     seqs: list[ScheduledSeq]
+    sent_at: float = 0.0  # monotonic
 
 
 @dataclass(slots=True)

@@ -47,6 +47,8 @@ class WorkerLink:
 
     async def _expect(self, kind: str) -> worker_pb2.WorkerMessage:
         message = await self.recv()
+        while message.WhichOneof("kind") == "heartbeat":
+            message = await self.recv()
         if message.WhichOneof("kind") != kind:
             detail = (
                 message.error.message if message.WhichOneof("kind") == "error" else message.WhichOneof("kind")
@@ -56,8 +58,10 @@ class WorkerLink:
 
     async def recv(self) -> worker_pb2.WorkerMessage:
         identity, payload = await self._socket.recv_multipart(copy=False)
-        self._identity = bytes(identity.buffer)
-        return worker_pb2.WorkerMessage.FromString(payload.buffer)
+        message = worker_pb2.WorkerMessage.FromString(payload.buffer)
+        if message.WhichOneof("kind") != "heartbeat":  # heartbeats come over a socket of their own
+            self._identity = bytes(identity.buffer)
+        return message
 
     async def send(self, message: worker_pb2.SchedulerMessage) -> None:
         assert self._identity is not None, "no worker has connected yet"

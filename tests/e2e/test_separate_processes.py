@@ -7,10 +7,13 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from duoserve_client import Client
+from duoserve_client.errors import UnavailableError
 from tests.e2e.harness import DUOSERVE, free_port
 
 pytestmark = pytest.mark.slow
@@ -86,3 +89,50 @@ def test_scheduler_stopped_before_any_worker_connects_exits_cleanly() -> None:
     finally:
         if scheduler.poll() is None:
             scheduler.kill()
+
+
+def test_a_killed_worker_is_noticed_its_requests_end_unavailable_and_health_drops() -> None:
+    grpc_port, metrics_port, zmq_port = free_port(), free_port(), free_port()
+    address = f"tcp://127.0.0.1:{zmq_port}"
+    log = tempfile.TemporaryFile()  # noqa: SIM115
+    scheduler = subprocess.Popen(
+        [
+            *(DUOSERVE, "scheduler", "--host", "127.0.0.1", "--port", str(grpc_port)),
+            *("--metrics-port", str(metrics_port), "--worker-address", address, "--num-kv-blocks", "256"),
+            *("--worker-timeout", "2"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    worker = subprocess.Popen(
+        [DUOSERVE, "worker", "--scheduler-address", address, "--dtype", "float32", "--threads", "2"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        with Client(f"127.0.0.1:{grpc_port}", retries=0) as client:
+            client.wait_until_ready(240)
+            stream = client.stream("Count from one to one thousand:", max_tokens=2000, ignore_eos=True)
+            received = 0
+            with pytest.raises(UnavailableError, match="the worker was lost: no heartbeat") as caught:
+                for _chunk in stream:
+                    received += 1
+                    if received == 3:
+                        worker.send_signal(signal.SIGKILL)
+                        killed = time.monotonic()
+            noticed = time.monotonic() - killed
+            assert 2.0 <= noticed < 6.0, noticed  # --worker-timeout 2, checked every 0.25 s
+            assert "UNAVAILABLE" in str(caught.value)
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(UnavailableError):
+                client.generate("Hello", max_tokens=2)
+        with pytest.raises(urllib.error.HTTPError) as http_error:
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/health", timeout=5)
+        assert http_error.value.code == 503
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(30) == 0  # a requested stop is a clean stop, worker or not
+    finally:
+        for process in (scheduler, worker):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
