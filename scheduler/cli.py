@@ -99,7 +99,15 @@ SCHEDULER_FLAGS = (
     Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
     Flag("--worker-timeout", float, 5.0, "seconds without a worker heartbeat before it counts as lost"),
     Flag("--step-timeout", float, 300.0, "seconds a step may go unanswered before the worker counts as hung"),
-    Flag("--shutdown-grace", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
+    Flag(
+        "--restart-workers",
+        bool,
+        True,
+        "when a worker is lost, wait for a replacement (serve starts one) and resume its requests",
+    ),
+    Flag("--max-worker-restarts", int, 5, "worker losses survived before requests fail UNAVAILABLE"),
+    Flag("--worker-restart-timeout", float, 300.0, "seconds to wait for a replacement worker to be ready"),
+    Flag("--drain-timeout", float, 10.0, "seconds in-flight requests get to finish on SIGTERM"),
 )
 WORKER_FLAGS = (
     Flag("--dtype", str, "auto", "serving dtype", ("auto", "float32", "bfloat16", "float16")),

@@ -32,9 +32,12 @@ class SchedulerConfig:
     max_queued_tokens: int = 262144
     prefill_window_ms: float = 0.0
     default_max_tokens: int = 256
-    shutdown_grace: float = 10.0
+    drain_timeout: float = 10.0
     worker_timeout: float = 5.0  # no heartbeat for this long: the worker is lost
     step_timeout: float = 300.0  # a step unanswered for this long: the worker is hung
+    restart_workers: bool = True  # wait for a replacement worker and re-admit the affected requests
+    max_worker_restarts: int = 5
+    worker_restart_timeout: float = 300.0  # no replacement ready within this: give up
     otlp_endpoint: str = ""
     otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
     trace_sample_ratio: float = 1.0
@@ -80,7 +83,14 @@ class SchedulerConfig:
         _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
         _check(self.worker_timeout > 0, "--worker-timeout", self.worker_timeout, "> 0 seconds")
         _check(self.step_timeout > 0, "--step-timeout", self.step_timeout, "> 0 seconds")
-        _check(self.shutdown_grace >= 0, "--shutdown-grace", self.shutdown_grace, ">= 0")
+        _check(self.max_worker_restarts >= 0, "--max-worker-restarts", self.max_worker_restarts, ">= 0")
+        _check(
+            self.worker_restart_timeout > 0,
+            "--worker-restart-timeout",
+            self.worker_restart_timeout,
+            "> 0 seconds",
+        )
+        _check(self.drain_timeout >= 0, "--drain-timeout", self.drain_timeout, ">= 0")
         _check(
             self.worker_address.startswith(("ipc://", "tcp://")),
             "--worker-address",

@@ -97,6 +97,11 @@ class Engine:
         self._stopping = False
         self.worker_lost = False
         self.on_worker_lost: Callable[[], object] | None = None
+        self.on_worker_ready: Callable[[], object] | None = None
+        self.worker_restarts = 0
+        self._lost_reason = ""
+        self._restart_deadline = 0.0
+        self._restart_watchdog: asyncio.Task[None] | None = None
         self.num_preemptions = 0
         self.worker_times = WorkerTimes()
 
@@ -106,15 +111,16 @@ class Engine:
     def ready(self) -> bool:
         return self.worker_info is not None and not self.worker_lost
 
+    def _configure(self) -> worker_pb2.Configure:
+        return worker_pb2.Configure(
+            block_size=self.config.block_size,
+            max_blocks=self.config.num_kv_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
     async def start(self) -> worker_pb2.Ready:
         """Wait for the worker to connect, configure it, and start serving."""
-        ready = await self._link.handshake(
-            worker_pb2.Configure(
-                block_size=self.config.block_size,
-                max_blocks=self.config.num_kv_blocks,
-                max_num_seqs=self.config.max_num_seqs,
-            )
-        )
+        ready = await self._link.handshake(self._configure())
         self.blocks = BlockManager(ready.num_blocks, ready.block_size, prefix_cache=self.config.prefix_cache)
         limits = PlannerLimits(
             max_batched_tokens=self.config.max_batched_tokens,
@@ -158,10 +164,9 @@ class Engine:
                 )
             except (TimeoutError, OSError) as err:
                 log.warning("could not tell the worker to shut down: %s", err)
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-        if self._watchdog_task is not None:
-            self._watchdog_task.cancel()
+        for task in (self._recv_task, self._watchdog_task, self._restart_watchdog):
+            if task is not None:
+                task.cancel()
         self._link.close()
 
     # ------------------------------------------------------------------ requests
@@ -314,6 +319,12 @@ class Engine:
             kind = message.WhichOneof("kind")
             if kind == "heartbeat":
                 continue
+            if kind == "hello":
+                await self._on_hello(message.hello)
+                continue
+            if kind == "ready":
+                self._on_ready(message.ready)
+                continue
             if kind == "result":
                 self._on_result(message.result)
             elif kind == "error":
@@ -396,9 +407,94 @@ class Engine:
         self.worker_lost = True
         if self.on_worker_lost is not None:
             self.on_worker_lost()
+        if (
+            self.config.restart_workers
+            and self.worker_restarts < self.config.max_worker_restarts
+            and not self._stopping
+        ):
+            self.worker_restarts += 1
+            self._lost_reason = reason
+            self._restart_deadline = time.monotonic() + self.config.worker_restart_timeout
+            self._requeue_everything()
+            log.warning(
+                "waiting up to %.0f s for a replacement worker (restart %d of %d); %d requests will resume",
+                self.config.worker_restart_timeout,
+                self.worker_restarts,
+                self.config.max_worker_restarts,
+                len(self._requests),
+            )
+            self._restart_watchdog = asyncio.get_running_loop().create_task(self._await_replacement())
+            return
+        self._give_up(reason)
+
+    def _give_up(self, reason: str) -> None:
         for request in list(self._requests.values()):
             self._fail(request, "UNAVAILABLE", reason)
         self._inflight.clear()
+
+    def _requeue_everything(self) -> None:
+        """The worker and its KV cache are gone: every request goes back to the queue, keeping its
+        tokens, to be recomputed from prompt + output on the replacement (streams just pause)."""
+        assert self.planner is not None and self.blocks is not None
+        for request in self.planner.running[:]:
+            self.planner.running.remove(request)
+            request.num_preemptions += 1
+            request.state = RequestState.WAITING
+            self.planner.waiting.append(request)
+            if request.trace is not None:
+                request.trace.preempted(len(request.all_token_ids()))
+        for request in self._requests.values():
+            self.blocks.free(request.seq_id)
+            request.num_computed_tokens = 0
+            request.in_flight = False
+            request.on_worker = False
+        for request in [r for r in self._requests.values() if r.aborted]:
+            self._finish(request)  # cancelled while in flight: nothing left to wait for
+        self._inflight.clear()
+        self._pending_releases.clear()
+        self._free_lanes = list(range(self.config.max_inflight))
+
+    async def _await_replacement(self) -> None:
+        """Give up (requests end UNAVAILABLE) when no replacement is ready in time."""
+        await asyncio.sleep(max(0.0, self._restart_deadline - time.monotonic()))
+        if self.worker_lost:
+            self._give_up(
+                f"{self._lost_reason}; no replacement was ready within {self.config.worker_restart_timeout:.0f} s"
+            )
+
+    async def _on_hello(self, hello: worker_pb2.Hello) -> None:
+        if not self.worker_lost:
+            # One worker per scheduler: a new one saying Hello means the old one is gone, even if
+            # its silence has not yet reached --worker-timeout.
+            self._lose_worker(
+                f"the worker was lost: worker {hello.worker_id} (pid {hello.pid}) connected in its place"
+            )
+        if self._restart_watchdog is None or self._restart_watchdog.done():
+            log.warning("ignoring Hello from worker pid %d: not waiting for a replacement", hello.pid)
+            return
+        log.info("replacement worker %d (pid %d) connected", hello.worker_id, hello.pid)
+        await self._link.send(worker_pb2.SchedulerMessage(configure=self._configure()))
+
+    def _on_ready(self, ready: worker_pb2.Ready) -> None:
+        assert self.planner is not None
+        if not self.worker_lost:
+            return
+        if self._restart_watchdog is not None:
+            self._restart_watchdog.cancel()
+        self.worker_info = ready
+        self.blocks = BlockManager(ready.num_blocks, ready.block_size, prefix_cache=self.config.prefix_cache)
+        self.planner.blocks = self.blocks
+        self.worker_lost = False
+        self._last_heard = time.monotonic()
+        self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(), name="worker-watchdog")
+        log.info(
+            "replacement worker ready: %d KV blocks; resuming %d requests",
+            ready.num_blocks,
+            len(self._requests),
+        )
+        if self.on_worker_ready is not None:
+            self.on_worker_ready()
+        self._dispatch()
 
     def _check_integrity(self) -> None:
         assert self.blocks is not None

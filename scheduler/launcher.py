@@ -10,6 +10,7 @@ coordinates the order) and are told by the kernel to exit if it dies.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 WORKER_EXIT_SECONDS = 10.0
+RESTART_BACKOFF_FIRST = 0.5
+RESTART_BACKOFF_MAX = 8.0
 KILL_AFTER_SECONDS = 5.0
 
 
@@ -105,12 +108,14 @@ def serve(args: Namespace) -> int:
     config: SchedulerConfig = scheduler_config(args)
     model = ["--model", config.model, "--log-level", args.log_level]
     children = []
+    worker_argvs = []
     for worker_id in range(config.num_workers):
         worker = worker_config(
             args, scheduler_address=config.worker_address, worker_id=worker_id, model=config.model
         )
         argv = ["worker", *model, *flags_to_argv((*TRACING_FLAGS, *WORKER_FLAGS), worker)]
         argv += ["--scheduler-address", worker.scheduler_address, "--worker-id", str(worker_id)]
+        worker_argvs.append(argv)
         children.append(_spawn(f"worker {worker_id}", argv))
     scheduler_argv = flags_to_argv((*TRACING_FLAGS, *SCHEDULER_FLAGS), config)
     children.append(_spawn("scheduler", ["scheduler", *model, *scheduler_argv]))
@@ -120,8 +125,28 @@ def serve(args: Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     announced = False
     exit_code = 0
+    restarts = 0
     while not stop.is_set():
         dead = [c for c in children if c.process.poll() is not None]
+        worker_died = dead and dead[0] is not children[-1]
+        if worker_died and config.restart_workers and restarts < config.max_worker_restarts:
+            # The scheduler notices the loss itself (heartbeats), keeps the requests, and resumes
+            # them once this replacement says Ready.
+            index = children.index(dead[0])
+            restarts += 1
+            delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_FIRST * 2 ** (restarts - 1))
+            log.error(
+                "%s exited with code %s; restarting it in %.1f s (restart %d of %d)",
+                dead[0].name,
+                dead[0].process.returncode,
+                delay,
+                restarts,
+                config.max_worker_restarts,
+            )
+            if stop.wait(delay):
+                break
+            children[index] = _spawn(dead[0].name, worker_argvs[index])
+            continue
         if dead:
             log.error("%s exited with code %s; stopping", dead[0].name, dead[0].process.returncode)
             exit_code = 1
@@ -131,6 +156,16 @@ def serve(args: Namespace) -> int:
             announced = True
         stop.wait(POLL_SECONDS if announced else 0.5)
     started = time.monotonic()
-    _stop(children, config.shutdown_grace)
+
+    def exit_at_once(*_: object) -> None:
+        log.warning("second stop signal: killing the children and exiting at once")
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+        os._exit(exit_code)
+
+    signal.signal(signal.SIGINT, exit_at_once)
+    signal.signal(signal.SIGTERM, exit_at_once)
+    _stop(children, config.drain_timeout)
     log.info("stopped in %.1f s", time.monotonic() - started)
     return exit_code

@@ -49,6 +49,7 @@ class SchedulerServer:
         loop = asyncio.get_running_loop()
         # A lost worker turns the gRPC health NOT_SERVING, as /health already reads engine.ready.
         self.engine.on_worker_lost = lambda: loop.create_task(self._set_serving(False))
+        self.engine.on_worker_ready = lambda: loop.create_task(self._set_serving(True))
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -111,13 +112,21 @@ class SchedulerServer:
             await stopped
         start.cancel()
         stopped.cancel()
-        log.info("shutting down: draining for up to %.1f s", self.config.shutdown_grace)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: no more waiting
+            loop.add_signal_handler(sig, _exit_at_once)
+        log.info("shutting down: draining for up to %.1f s", self.config.drain_timeout)
         await self._set_serving(False)
-        await self.engine.drain(self.config.shutdown_grace)
+        await self.engine.drain(self.config.drain_timeout)
         await self.server.stop(grace=1.0)
         await self.engine.close()
         http.close()
         return 1 if failed else 0
+
+
+def _exit_at_once() -> None:
+    log.warning("second stop signal: exiting at once, in-flight requests are cut")
+    logging.shutdown()
+    os._exit(0)  # still a requested stop, not a failure
 
 
 def run_scheduler(config: SchedulerConfig) -> int:

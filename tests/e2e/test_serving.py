@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -224,7 +225,7 @@ def test_health_is_not_serving_until_the_worker_is_ready_and_env_flags_apply() -
 
 
 def test_sigterm_lets_an_inflight_stream_finish_or_end_unavailable() -> None:
-    server = start_server("--dtype", "float32", "--metrics-port", "0", "--shutdown-grace", "1")
+    server = start_server("--dtype", "float32", "--metrics-port", "0", "--drain-timeout", "1")
     outcome: list[object] = []
 
     def consume() -> None:
@@ -241,4 +242,33 @@ def test_sigterm_lets_an_inflight_stream_finish_or_end_unavailable() -> None:
     assert server.stop() == 0
     thread.join(30)
     assert outcome in (["length"], [grpc.StatusCode.UNAVAILABLE]), outcome
+    assert server.leftovers() == []
+
+
+def test_a_second_signal_stops_at_once_instead_of_draining() -> None:
+    server = start_server("--dtype", "float32", "--metrics-port", "0", "--drain-timeout", "120")
+    outcome: list[object] = []
+
+    def consume() -> None:
+        with Client(server.target, retries=0) as client:
+            try:
+                list(client.stream("Count to a thousand:", max_tokens=4000, ignore_eos=True))
+                outcome.append("finished")
+            except Exception as err:
+                outcome.append(getattr(err, "code", err))
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    time.sleep(3)
+    server.process.send_signal(signal.SIGTERM)  # drain: would wait up to 120 s for the stream
+    time.sleep(1)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(15) == 0  # a requested stop, not a failure
+    assert time.monotonic() - started < 10
+    thread.join(30)
+    assert outcome and outcome != ["finished"], outcome  # the stream was cut, not completed
+    deadline = time.monotonic() + 10
+    while server.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert server.leftovers() == []

@@ -43,6 +43,7 @@ class ScriptedWorker:
     num_blocks: int = 64
     step_seconds: float = 0.01
     fail_at_step: int | None = None  # answer this step (1-based) with an error message
+    die_at_step: int | None = None  # vanish at this step (1-based) without a word, like a killed process
     seen_seq_ids: set[int] = field(default_factory=set)
     steps: list[list[int]] = field(default_factory=list)
     _thread: threading.Thread | None = None
@@ -85,6 +86,8 @@ class ScriptedWorker:
             scheduled += [(r.seq_id, r.num_new_tokens) for r in step.running]
             self.steps.append([seq_id for seq_id, _ in scheduled])
             self.seen_seq_ids.update(seq_id for seq_id, _ in scheduled)
+            if len(self.steps) == self.die_at_step:
+                break
             if len(self.steps) == self.fail_at_step:
                 error = worker_pb2.WorkerError(step_id=step.step_id, message="scripted failure")
                 socket.send(worker_pb2.WorkerMessage(error=error).SerializeToString())
@@ -219,7 +222,7 @@ def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, 
 def test_a_worker_error_fails_its_requests_unavailable_and_reports_the_loss() -> None:
     async def scenario() -> None:
         worker = ScriptedWorker(address(), fail_at_step=3)
-        engine = await with_engine(worker)
+        engine = await with_engine(worker, restart_workers=False)
         lost = []
         engine.on_worker_lost = lambda: lost.append(True)
         request = make_request(engine, 4, max_tokens=10)
@@ -229,5 +232,34 @@ def test_a_worker_error_fails_its_requests_unavailable_and_reports_the_loss() ->
         assert lost == [True] and not engine.ready
         assert engine.submit(make_request(engine, 4)) is Admission.NOT_READY
         await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+def test_a_replacement_worker_resumes_every_request_where_it_stopped() -> None:
+    async def scenario() -> None:
+        first = ScriptedWorker(address(), die_at_step=4, step_seconds=0.02)
+        # A long --worker-timeout: the replacement's Hello is what reveals the loss.
+        engine = await with_engine(first, worker_timeout=30.0, max_inflight=1)
+        lost, ready = [], []
+        engine.on_worker_lost = lambda: lost.append(time.monotonic())
+        engine.on_worker_ready = lambda: ready.append(time.monotonic())
+        running = make_request(engine, 5, max_tokens=10)
+        queued = make_request(engine, 3, max_tokens=4)
+        engine.submit(running)
+        await asyncio.sleep(0.3)  # the first worker has vanished by now, mid-generation
+        engine.submit(queued)
+        assert first.steps and len(first.steps) == 4
+        second = ScriptedWorker(first.address, step_seconds=0.02)
+        second.start()
+        assert await outcome(running) == ([TOKEN] * 10, "LENGTH")  # nothing lost or repeated
+        assert await outcome(queued) == ([TOKEN] * 4, "LENGTH")
+        assert len(lost) == 1 and len(ready) == 1 and engine.worker_restarts == 1 and engine.ready
+        # The replacement recomputed the running request from prompt + 3 generated tokens.
+        assert running.seq_id in second.seen_seq_ids
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
+        await engine.close()
+        first.join()
+        second.join()
 
     asyncio.run(scenario())
