@@ -428,9 +428,14 @@ class Engine:
         self._give_up(reason)
 
     def _give_up(self, reason: str) -> None:
+        """No replacement to resume on: requests that had started end UNAVAILABLE; those only
+        queued stay queued for whichever worker connects next (or their own deadline)."""
         for request in list(self._requests.values()):
-            self._fail(request, "UNAVAILABLE", reason)
+            if request.first_scheduled_time is not None:
+                self._fail(request, "UNAVAILABLE", reason)
         self._inflight.clear()
+        self._pending_releases.clear()
+        self._free_lanes = list(range(self.config.max_inflight))
 
     def _requeue_everything(self) -> None:
         """The worker and its KV cache are gone: every request goes back to the queue, keeping its
@@ -469,9 +474,6 @@ class Engine:
             self._lose_worker(
                 f"the worker was lost: worker {hello.worker_id} (pid {hello.pid}) connected in its place"
             )
-        if self._restart_watchdog is None or self._restart_watchdog.done():
-            log.warning("ignoring Hello from worker pid %d: not waiting for a replacement", hello.pid)
-            return
         log.info("replacement worker %d (pid %d) connected", hello.worker_id, hello.pid)
         await self._link.send(worker_pb2.SchedulerMessage(configure=self._configure()))
 

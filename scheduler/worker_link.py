@@ -12,6 +12,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from google.protobuf.message import DecodeError
 
 from protos import worker_pb2
 
@@ -57,8 +58,21 @@ class WorkerLink:
         return message
 
     async def recv(self) -> worker_pb2.WorkerMessage:
-        identity, payload = await self._socket.recv_multipart(copy=False)
-        message = worker_pb2.WorkerMessage.FromString(payload.buffer)
+        """The next message a worker sent; frames that are not a WorkerMessage are logged and skipped."""
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            if len(frames) != 2:
+                log.warning("ignoring a %d-frame message on the worker socket", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                message = worker_pb2.WorkerMessage.FromString(payload.buffer)
+            except DecodeError as err:
+                log.warning(
+                    "ignoring %d bytes on the worker socket that are no WorkerMessage: %s", len(payload), err
+                )
+                continue
+            break
         if message.WhichOneof("kind") != "heartbeat":  # heartbeats come over a socket of their own
             self._identity = bytes(identity.buffer)
         return message

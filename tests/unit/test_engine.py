@@ -44,6 +44,7 @@ class ScriptedWorker:
     step_seconds: float = 0.01
     fail_at_step: int | None = None  # answer this step (1-based) with an error message
     die_at_step: int | None = None  # vanish at this step (1-based) without a word, like a killed process
+    garbage_at_step: int | None = None  # send undecodable bytes before answering this step
     seen_seq_ids: set[int] = field(default_factory=set)
     steps: list[list[int]] = field(default_factory=list)
     _thread: threading.Thread | None = None
@@ -88,6 +89,8 @@ class ScriptedWorker:
             self.seen_seq_ids.update(seq_id for seq_id, _ in scheduled)
             if len(self.steps) == self.die_at_step:
                 break
+            if len(self.steps) == self.garbage_at_step:
+                socket.send(b"\xff\x00not a protobuf\xff")
             if len(self.steps) == self.fail_at_step:
                 error = worker_pb2.WorkerError(step_id=step.step_id, message="scripted failure")
                 socket.send(worker_pb2.WorkerMessage(error=error).SerializeToString())
@@ -219,19 +222,26 @@ def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, 
     asyncio.run(scenario())
 
 
-def test_a_worker_error_fails_its_requests_unavailable_and_reports_the_loss() -> None:
+def test_without_restarts_started_requests_fail_unavailable_and_queued_ones_wait_for_a_worker() -> None:
     async def scenario() -> None:
         worker = ScriptedWorker(address(), fail_at_step=3)
-        engine = await with_engine(worker, restart_workers=False)
+        engine = await with_engine(worker, restart_workers=False, max_num_seqs=1)
         lost = []
         engine.on_worker_lost = lambda: lost.append(True)
         request = make_request(engine, 4, max_tokens=10)
+        queued = make_request(engine, 2, max_tokens=3)
         engine.submit(request)
+        engine.submit(queued)  # no batch slot: it only waits
         tokens, code = await outcome(request)
         assert code == "UNAVAILABLE" and tokens == [TOKEN, TOKEN]
         assert lost == [True] and not engine.ready
         assert engine.submit(make_request(engine, 4)) is Admission.NOT_READY
-        await stop(engine, worker)
+        assert queued.events.empty()  # never failed
+        worker.join()
+        replacement = ScriptedWorker(worker.address)  # say, restarted by a process supervisor
+        replacement.start()
+        assert await outcome(queued) == ([TOKEN] * 3, "LENGTH")
+        await stop(engine, replacement)
 
     asyncio.run(scenario())
 
@@ -261,5 +271,18 @@ def test_a_replacement_worker_resumes_every_request_where_it_stopped() -> None:
         await engine.close()
         first.join()
         second.join()
+
+    asyncio.run(scenario())
+
+
+def test_bytes_that_are_no_worker_message_are_skipped() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), garbage_at_step=2)
+        engine = await with_engine(worker)
+        request = make_request(engine, 3, max_tokens=5)
+        engine.submit(request)
+        assert await outcome(request) == ([TOKEN] * 5, "LENGTH")
+        assert engine.ready and engine.worker_restarts == 0
+        await stop(engine, worker)
 
     asyncio.run(scenario())
