@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from scheduler.validation import InvalidRequest
 
@@ -20,6 +22,31 @@ log = logging.getLogger(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse (see `safe_deserializer`)."""
+
+    type_name: str
+    error: str
+
+
+def safe_deserializer(parse: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: gRPC would answer UNKNOWN to a parse error."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as err:
+            return MalformedRequest(type_name, str(err))
+
+    return deserialize
+
+
+def _reject_malformed(request: object) -> None:
+    if isinstance(request, MalformedRequest):
+        raise InvalidRequest("request", f"the bytes are not a valid {request.type_name} ({request.error})")
 
 
 class RpcFailure(Exception):
@@ -62,6 +89,7 @@ def unary_errors(
     @functools.wraps(method)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
+            _reject_malformed(request)
             return await method(self, request, context)
         except Exception as err:
             if _is_abort(err):
@@ -79,6 +107,7 @@ def stream_errors(
     @functools.wraps(method)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
         try:
+            _reject_malformed(request)
             async for item in method(self, request, context):
                 yield item
         except Exception as err:

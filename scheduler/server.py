@@ -8,14 +8,16 @@ import os
 import signal
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from protos import inference_pb2, inference_pb2_grpc
+from protos import inference_pb2
 from scheduler import tracing
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+from scheduler.errors import safe_deserializer
 from scheduler.http_server import HttpEndpoint
 from scheduler.metrics import RequestMetrics
 from scheduler.model_files import model_name, resolve_model
@@ -61,7 +63,7 @@ class SchedulerServer:
         servicer = InferenceServicer(
             self.engine, self.tokenizer, self.model_name, RequestMetrics(self.registry)
         )
-        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, self.server)
+        self.server.add_generic_rpc_handlers((inference_handlers(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_service = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection(
@@ -121,6 +123,27 @@ class SchedulerServer:
         await self.engine.close()
         http.close()
         return 1 if failed else 0
+
+
+def inference_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The Inference service's handlers, like the generated ones but with request deserializers
+    that turn unparsable bytes into INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+    handlers = {}
+    for method in service.methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=safe_deserializer(request_type.FromString, method.input_type.full_name),
+            response_serializer=response_type.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _exit_at_once() -> None:
