@@ -67,6 +67,12 @@ TRACING_FLAGS = (
 SCHEDULER_FLAGS = (
     Flag("--host", str, "localhost", "gRPC listen host"),
     Flag("--port", int, 50051, "gRPC listen port"),
+    Flag("--tls-cert", str, "", "PEM certificate chain: serve gRPC over TLS (with --tls-key)"),
+    Flag("--tls-key", str, "", "PEM private key of --tls-cert"),
+    Flag("--tls-client-ca", str, "", "PEM CA: require client certificates it signed (mutual TLS)"),
+    Flag(
+        "--api-key-file", str, "", "file of API keys, one per line: calls need 'authorization: Bearer <key>'"
+    ),
     Flag("--metrics-port", int, 9400, "HTTP port of /health and /metrics (same host as gRPC)"),
     Flag("--worker-address", str, "", "ZeroMQ address workers connect to (default: an ipc:// socket)"),
     Flag("--num-workers", int, 1, "worker processes"),

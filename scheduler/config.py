@@ -35,6 +35,10 @@ class SchedulerConfig:
     drain_timeout: float = 10.0
     worker_timeout: float = 5.0  # no heartbeat for this long: the worker is lost
     step_timeout: float = 300.0  # a step unanswered for this long: the worker is hung
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    api_key_file: str = ""
     restart_workers: bool = True  # wait for a replacement worker and re-admit the affected requests
     max_worker_restarts: int = 5
     worker_restart_timeout: float = 300.0  # no replacement ready within this: give up

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from argparse import Namespace
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,7 +64,17 @@ def _spawn(name: str, argv: list[str]) -> Child:
     return Child(name, process)
 
 
-def _is_serving(address: str) -> bool:
+def _is_serving(config: SchedulerConfig) -> bool:
+    if config.tls_cert:  # the launcher holds no client credentials: ask the plain-HTTP probe instead
+        if not config.metrics_port:
+            return False
+        url = f"http://{config.host}:{config.metrics_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+    address = config.grpc_address
     try:
         with grpc.insecure_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
@@ -151,7 +162,7 @@ def serve(args: Namespace) -> int:
             log.error("%s exited with code %s; stopping", dead[0].name, dead[0].process.returncode)
             exit_code = 1
             break
-        if not announced and _is_serving(config.grpc_address):
+        if not announced and _is_serving(config):
             log.info("duoserve is serving %s on %s", config.model, config.grpc_address)
             announced = True
         stop.wait(POLL_SECONDS if announced else 0.5)

@@ -22,6 +22,7 @@ from scheduler.http_server import HttpEndpoint
 from scheduler.metrics import RequestMetrics
 from scheduler.model_files import model_name, resolve_model
 from scheduler.proctitle import set_process_title
+from scheduler.security import ApiKeyInterceptor, SecurityConfigError, load_api_keys, server_credentials
 from scheduler.servicer import InferenceServicer
 from scheduler.tokenizer import load_tokenizer
 
@@ -41,6 +42,9 @@ class SchedulerServer:
         model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_path)
         self.model_name = model_name(model_path)
+        # Checked before anything listens, so a bad file is a start-up error naming the flag.
+        self.api_keys = load_api_keys(config.api_key_file) if config.api_key_file else []
+        self.credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
 
     def _build(self) -> None:
         """Objects bound to the running event loop: the engine's socket and the gRPC server."""
@@ -52,12 +56,14 @@ class SchedulerServer:
         # A lost worker turns the gRPC health NOT_SERVING, as /health already reads engine.ready.
         self.engine.on_worker_lost = lambda: loop.create_task(self._set_serving(False))
         self.engine.on_worker_ready = lambda: loop.create_task(self._set_serving(True))
+        interceptors = [ApiKeyInterceptor(self.api_keys)] if self.api_keys else []
         self.server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self.registry = CollectorRegistry()
         servicer = InferenceServicer(
@@ -79,7 +85,10 @@ class SchedulerServer:
 
     async def run(self) -> int:
         self._build()
-        port = self.server.add_insecure_port(self.config.grpc_address)
+        if self.credentials is not None:
+            port = self.server.add_secure_port(self.config.grpc_address, self.credentials)
+        else:
+            port = self.server.add_insecure_port(self.config.grpc_address)
         if port == 0:
             log.error("cannot listen on %s (in use?)", self.config.grpc_address)
             return 1
@@ -159,6 +168,11 @@ def run_scheduler(config: SchedulerConfig) -> int:
         tracing.SCHEDULER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
     )
     try:
-        return asyncio.run(SchedulerServer(config).run())
+        try:
+            server = SchedulerServer(config)
+        except SecurityConfigError as err:
+            log.error("%s", err)
+            return 2
+        return asyncio.run(server.run())
     finally:
         tracing.shutdown()

@@ -7,6 +7,7 @@ with Client("localhost:50051") as client:
 """
 
 from duoserve_client._requests import GenerateOptions, MessageLike
+from duoserve_client._security import tls_credentials
 from duoserve_client.aio import AsyncClient
 from duoserve_client.client import Client
 from duoserve_client.errors import (
@@ -54,4 +55,5 @@ __all__ = [
     "Usage",
     "error_for_status",
     "error_from_rpc",
+    "tls_credentials",
 ]

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from duoserve_client._channel import DEFAULT_TARGET
+from duoserve_client._security import tls_credentials
 from duoserve_client.client import Client
 from duoserve_client.errors import DuoserveError
 from duoserve_client.results import Completion, CompletionChunk, Message
@@ -24,6 +25,7 @@ from duoserve_client.results import Completion, CompletionChunk, Message
 if TYPE_CHECKING:
     from duoserve_client._requests import GenerateOptions
 
+API_KEY_ENV = "DUOSERVE_API_KEY"
 TARGET_ENV = "DUOSERVE_TARGET"
 
 
@@ -60,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
     parser.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE (default 3)")
+    parser.add_argument(
+        "--tls", action="store_true", help="connect over TLS (the system's roots unless --tls-ca)"
+    )
+    parser.add_argument("--tls-ca", metavar="PEM", help="CA certificate to trust (implies --tls)")
+    parser.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate, for mutual TLS (with --tls-key)"
+    )
+    parser.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    parser.add_argument(
+        "--api-key", default=None, help=f"API key sent as 'authorization: Bearer …' (default: ${API_KEY_ENV})"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser(
@@ -191,7 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = args.target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
     try:
-        with Client(target, timeout=args.timeout, retries=args.retries) as client:
+        secure = args.tls or args.tls_ca or args.tls_cert
+        credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if secure else None
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        with Client(
+            target, timeout=args.timeout, retries=args.retries, credentials=credentials, api_key=api_key
+        ) as client:
             return _run(client, args, sys.stdout)
     except DuoserveError as err:
         sys.stdout.flush()

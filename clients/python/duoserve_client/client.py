@@ -13,6 +13,7 @@ from duoserve_client._health import CHECK_METHOD, health_messages, status_name
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
 from duoserve_client._requests import MessageLike, build_generate_request, build_tokenize_request
 from duoserve_client._retry import Deadline
+from duoserve_client._security import api_key_metadata
 from duoserve_client._tracing import with_trace_context
 from duoserve_client.errors import DeadlineExceededError, error_for_status, error_from_rpc
 from duoserve_client.results import (
@@ -51,6 +52,7 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         metadata: Sequence[tuple[str, str]] = (),
+        api_key: str | None = None,
     ) -> None:
         self._settings = ClientSettings.build(
             target,
@@ -59,7 +61,7 @@ class Client:
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
             options=options,
-            metadata=metadata,
+            metadata=(*metadata, *api_key_metadata(api_key)),
         )
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=self._settings.options)
