@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.curve import faces_network
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
@@ -25,6 +27,8 @@ class WorkerConfig:
     threads: int = 0
     sbo: bool = True
     seed: int = 0
+    zmq_curve_worker_secret: str = ""
+    zmq_curve_server_key: str = ""
     otlp_endpoint: str = ""
     otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
     trace_sample_ratio: float = 1.0
@@ -53,6 +57,19 @@ class WorkerConfig:
         _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
         _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
+        _check(
+            bool(self.zmq_curve_worker_secret) == bool(self.zmq_curve_server_key),
+            "--zmq-curve-worker-secret",
+            self.zmq_curve_worker_secret,
+            "given together with --zmq-curve-server-key",
+        )
+        _check(
+            not faces_network(self.scheduler_address) or bool(self.zmq_curve_worker_secret),
+            "--scheduler-address",
+            self.scheduler_address,
+            "ipc://, tcp:// on loopback, or a network-facing tcp:// with CURVE keys "
+            "(--zmq-curve-worker-secret, --zmq-curve-server-key; `duoserve keys DIR` makes them)",
+        )
         _check(
             self.scheduler_address.startswith(("ipc://", "tcp://")),
             "--scheduler-address",

@@ -29,7 +29,7 @@ from gpu_worker.runner import ModelRunner
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from protos import worker_pb2
-from scheduler import tracing
+from scheduler import curve, tracing
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,11 @@ class Heartbeat:
     scheduler notices a hung step by its step timeout instead.
     """
 
-    def __init__(self, address: str, worker_id: int, interval: float = HEARTBEAT_INTERVAL_S) -> None:
+    def __init__(
+        self, address: str, worker_id: int, config: WorkerConfig, interval: float = HEARTBEAT_INTERVAL_S
+    ) -> None:
         self.address = address
+        self.config = config
         self.message = worker_pb2.WorkerMessage(
             heartbeat=worker_pb2.Heartbeat(worker_id=worker_id, pid=os.getpid())
         ).SerializeToString()
@@ -130,6 +133,8 @@ class Heartbeat:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 4)  # never pile heartbeats up behind a stalled link
+        if self.config.zmq_curve_worker_secret:
+            curve.secure_client(socket, self.config.zmq_curve_worker_secret, self.config.zmq_curve_server_key)
         socket.connect(self.address)
         try:
             while not self._stop.is_set():
@@ -226,6 +231,8 @@ def _run(config: WorkerConfig) -> int:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 1000)
+    if config.zmq_curve_worker_secret:
+        curve.secure_client(socket, config.zmq_curve_worker_secret, config.zmq_curve_server_key)
     socket.connect(config.scheduler_address)
     try:
         hello = worker_pb2.Hello(worker_id=config.worker_id, pid=os.getpid())
@@ -268,7 +275,7 @@ def _run(config: WorkerConfig) -> int:
             model.attention_backend,
             "on" if config.sbo else "off",
         )
-        heartbeat = Heartbeat(config.scheduler_address, config.worker_id)
+        heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
         try:
             StepPipeline(socket, runner, config.sbo).run()

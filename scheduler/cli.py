@@ -73,6 +73,8 @@ SCHEDULER_FLAGS = (
     Flag(
         "--api-key-file", str, "", "file of API keys, one per line: calls need 'authorization: Bearer <key>'"
     ),
+    Flag("--zmq-curve-secret", str, "", "CURVE: the scheduler's secret key file (from `duoserve keys DIR`)"),
+    Flag("--zmq-curve-authorized", str, "", "CURVE: directory of the worker public keys to accept"),
     Flag("--metrics-port", int, 9400, "HTTP port of /health and /metrics (same host as gRPC)"),
     Flag("--worker-address", str, "", "ZeroMQ address workers connect to (default: an ipc:// socket)"),
     Flag("--num-workers", int, 1, "worker processes"),
@@ -130,6 +132,8 @@ WORKER_FLAGS = (
     Flag("--sbo", bool, True, "stage the next batch while the current one computes"),
 )
 WORKER_ONLY_FLAGS = (
+    Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),
+    Flag("--zmq-curve-server-key", str, "", "CURVE: the scheduler's public key file"),
     Flag("--scheduler-address", str, "", "the scheduler's ZeroMQ address"),
     Flag("--worker-id", int, 0, "this worker's index"),
 )
@@ -191,6 +195,12 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         command = sub.add_parser(name, help=helps[name], description=helps[name])
         for flags in flag_groups:
             _add_flags(command, flags, env)
+    keys = sub.add_parser(
+        "keys",
+        help="write CURVE key pairs for a scheduler and a worker talking over tcp:// between hosts",
+        description="Writes DIR/scheduler.key(_secret), DIR/worker.key(_secret) and DIR/authorized/worker.key.",
+    )
+    keys.add_argument("directory", metavar="DIR")
     return parser
 
 
@@ -225,10 +235,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=getattr(args, "log_level", "info").upper(),
         format=f"%(asctime)s %(levelname)s {args.command}[%(process)d] %(name)s: %(message)s",
     )
     try:
+        if args.command == "keys":
+            from scheduler.curve import generate
+
+            for path in generate(args.directory):
+                print(path)
+            sys.exit(0)
         if args.command == "serve":
             from scheduler.launcher import serve
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.curve import faces_network
+
 VALID_BLOCK_SIZES = (8, 16, 32)
 MAX_INFLIGHT_LIMIT = 4
 
@@ -39,6 +41,8 @@ class SchedulerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     api_key_file: str = ""
+    zmq_curve_secret: str = ""
+    zmq_curve_authorized: str = ""
     restart_workers: bool = True  # wait for a replacement worker and re-admit the affected requests
     max_worker_restarts: int = 5
     worker_restart_timeout: float = 300.0  # no replacement ready within this: give up
@@ -95,6 +99,19 @@ class SchedulerConfig:
             "> 0 seconds",
         )
         _check(self.drain_timeout >= 0, "--drain-timeout", self.drain_timeout, ">= 0")
+        _check(
+            bool(self.zmq_curve_secret) == bool(self.zmq_curve_authorized),
+            "--zmq-curve-secret",
+            self.zmq_curve_secret,
+            "given together with --zmq-curve-authorized",
+        )
+        _check(
+            not faces_network(self.worker_address) or bool(self.zmq_curve_secret),
+            "--worker-address",
+            self.worker_address,
+            "ipc://, tcp:// on loopback, or a network-facing tcp:// with CURVE keys "
+            "(--zmq-curve-secret, --zmq-curve-authorized; `duoserve keys DIR` makes them)",
+        )
         _check(
             self.worker_address.startswith(("ipc://", "tcp://")),
             "--worker-address",

@@ -83,7 +83,7 @@ class Engine:
         self.blocks: BlockManager | None = None
         self.planner: BatchPlanner | None = None
         self.outputs: OutputProcessor | None = None
-        self._link = WorkerLink(config.worker_address)
+        self._link = WorkerLink(config.worker_address, config.zmq_curve_secret, config.zmq_curve_authorized)
         self._requests: dict[int, Request] = {}
         self._inflight: dict[int, InflightBatch] = {}
         self._free_lanes = list(range(config.max_inflight))

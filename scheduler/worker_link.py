@@ -15,6 +15,7 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from protos import worker_pb2
+from scheduler import curve
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +27,17 @@ class WorkerProtocolError(RuntimeError):
 class WorkerLink:
     """Binds the worker socket and exchanges protobuf messages with one worker."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve_secret: str = "", curve_authorized: str = "") -> None:
         self.address = address
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._authenticator = (
+            curve.secure_server(self._socket, self._context, curve_secret, curve_authorized)
+            if curve_secret
+            else None
+        )
         self._socket.bind(address)
         if address.startswith("ipc://"):
             # Only this user may talk to the scheduler through the socket file.
@@ -84,6 +90,8 @@ class WorkerLink:
     def close(self) -> None:
         # A short linger lets a queued Shutdown reach the worker before the socket goes.
         self._socket.close(linger=500)
+        if self._authenticator is not None:
+            self._authenticator.stop()  # type: ignore[attr-defined]
         self._context.term()
         if self.address.startswith("ipc://"):
             Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -29,7 +29,8 @@ SERVICES: dict[str, Any] = COMPOSE["services"]
 
 
 def test_the_stack_has_its_services_ports_and_health_checks() -> None:
-    assert set(SERVICES) == {"jaeger", "scheduler", "worker", "prometheus"}
+    assert set(SERVICES) == {"keys", "jaeger", "scheduler", "worker", "prometheus"}
+    assert SERVICES["scheduler"]["depends_on"]["keys"]["condition"] == "service_completed_successfully"
     assert {"16686:16686", "4317:4317", "4318:4318"} <= set(SERVICES["jaeger"]["ports"])
     assert {"50051:50051", "9400:9400"} == set(SERVICES["scheduler"]["ports"])
     assert "ports" not in SERVICES["worker"]  # ZeroMQ stays on the compose network
@@ -56,6 +57,12 @@ def test_compose_commands_parse_with_the_real_cli(service: str) -> None:
     args = build_parser().parse_args(SERVICES[service]["command"])
     assert args.command == service
     assert args.otlp_endpoint == "http://jaeger:4317"
+    # Network-facing tcp:// must come with CURVE keys: the config checks would refuse it otherwise.
+    if service == "scheduler":
+        assert args.zmq_curve_secret and args.zmq_curve_authorized
+    else:
+        assert args.zmq_curve_worker_secret and args.zmq_curve_server_key
+    assert build_parser().parse_args(SERVICES["keys"]["command"]).directory == "/keys"
 
 
 def local(command: list[str], hosts: dict[str, str]) -> list[str]:
@@ -75,7 +82,9 @@ def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
     collector.add_insecure_port(f"127.0.0.1:{otlp_port}")
     collector.start()
     grpc_port, metrics_port, zmq_port = free_port(), free_port(), free_port()
+    keys_dir = Path(tempfile.mkdtemp(prefix="duoserve-keys-"))
     hosts = {
+        "/keys": str(keys_dir),
         "0.0.0.0:5555": f"127.0.0.1:{zmq_port}",
         "scheduler:5555": f"127.0.0.1:{zmq_port}",
         "http://jaeger:4317": f"http://127.0.0.1:{otlp_port}",
@@ -85,6 +94,7 @@ def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
     }
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", "DUOSERVE_NUM_KV_BLOCKS": "256"}
     log = tempfile.NamedTemporaryFile(prefix="duoserve-compose-", suffix=".log", delete=False)  # noqa: SIM115
+    subprocess.run([DUOSERVE, *local(SERVICES["keys"]["command"], hosts)], check=True, capture_output=True)
     processes = [
         subprocess.Popen(
             [DUOSERVE, *local(SERVICES[name]["command"], hosts)],
