@@ -70,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rss-growth-mb", type=float, default=150.0, help="bound on the scheduler's RSS growth"
     )
+    parser.add_argument(
+        "--worker-rss-growth-mb",
+        type=float,
+        default=400.0,
+        help="bound on the replacement worker's RSS growth",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -156,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     time.sleep(0.05)
                 report["noticed_s"] = time.monotonic() - outage[0]
                 c.wait_until_ready(240)
+            replacement = next(
+                p for p in psutil.Process(server.pid).children() if "worker" in " ".join(p.cmdline())
+            )
+            worker_rss_before = replacement.memory_info().rss
             with lock:
                 outage[1] = time.monotonic()
             report["outage_s"] = outage[1] - outage[0]
@@ -178,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         used = metric(metrics_port, 'duoserve_kv_cache_blocks{state="used"}')
         if used:
             failures.append(f"{used:.0f} KV blocks still in use after the run")
+        if args.kill:
+            worker_growth = (replacement.memory_info().rss - worker_rss_before) / 2**20
+            report["worker_rss_growth_mb"] = worker_growth
+            if worker_growth > args.worker_rss_growth_mb:
+                failures.append(f"the replacement worker's RSS grew by {worker_growth:.0f} MB")
         rss_growth = (scheduler.memory_info().rss - rss_before) / 2**20
         fds_growth = scheduler.num_fds() - fds_before
         report.update({"scheduler_rss_growth_mb": rss_growth, "scheduler_fd_growth": fds_growth})
