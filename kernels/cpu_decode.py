@@ -144,6 +144,22 @@ def check_block_tables(
         raise ValueError(f"block ids must be in [0, {num_blocks}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [length, num_heads, head_dim] float32
+    """A sequence's first `length` keys and values from the paged caches, one copy per query head."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    blocks = table[: -(-length // block_size)].long()
+    group = num_heads // num_kv_heads
+    keys = (
+        k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float().repeat_interleave(group, dim=1)
+    )
+    values = (
+        v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float().repeat_interleave(group, dim=1)
+    )
+    return keys, values
+
+
 def paged_decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -153,16 +169,9 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """The definition the kernel is tested against: per sequence, gather its keys and values, softmax in float32."""
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for n in range(num_seqs):
-        length = int(context_lens[n])
-        blocks = block_tables[n, : (length + block_size - 1) // block_size].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()  # [L, Hkv, Dh]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        keys = keys.repeat_interleave(group, dim=1)  # [L, H, Dh]
-        values = values.repeat_interleave(group, dim=1)
+        keys, values = gather_context(k_cache, v_cache, block_tables[n], int(context_lens[n]), num_heads)
         scores = torch.einsum("hd,lhd->hl", q[n].float(), keys) * head_dim**-0.5
         out[n] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)
     return out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import dot_in_fp32, next_power_of_2, require, require_tensor
+from kernels.cpu_decode import gather_context
 
 # ------------------------------------------------------------------------------------ decode
 
@@ -378,26 +379,12 @@ def paged_prefill_attention_reference(
 ) -> torch.Tensor:
     """Per sequence: gather its keys and values from the cache, causal mask offset by the cached prefix."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for n in range(context_lens.shape[0]):
         start, end = int(query_start_loc[n]), int(query_start_loc[n + 1])
         context = int(context_lens[n])
         cached = context - (end - start)
-        blocks = block_tables[n, : -(-context // block_size)].long()
-        keys = (
-            k_cache[blocks]
-            .reshape(-1, num_kv_heads, head_dim)[:context]
-            .float()
-            .repeat_interleave(group, dim=1)
-        )
-        values = (
-            v_cache[blocks]
-            .reshape(-1, num_kv_heads, head_dim)[:context]
-            .float()
-            .repeat_interleave(group, dim=1)
-        )
+        keys, values = gather_context(k_cache, v_cache, block_tables[n], context, num_heads)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * head_dim**-0.5
         visible = torch.arange(context)[None, :] <= (cached + torch.arange(end - start))[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
