@@ -202,7 +202,7 @@ async def run_duoserve(target: str, requests: list[BenchRequest], timeout: float
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -219,12 +219,12 @@ def launched_server(
 ) -> Iterator[tuple[str, str | None]]:
     """Start ``duoserve serve`` with this config, wait for SERVING, yield (target, metrics URL), then SIGTERM it."""
     duoserve = Path(sys.executable).parent / "duoserve"
-    port = _free_port()
+    port = free_port()
     command = [str(duoserve), "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port)]
     help_text = subprocess.run([str(duoserve), "serve", "--help"], capture_output=True, text=True).stdout
     metrics_url = None
     if "--metrics-port" in help_text:
-        metrics_port = _free_port()
+        metrics_port = free_port()
         command += ["--metrics-port", str(metrics_port)]
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     command += ["--dtype", config.dtype, *config.flags, *shlex.split(args.server_args)]

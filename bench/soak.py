@@ -17,7 +17,6 @@ import argparse
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from serving import free_port
 
 from duoserve_client import Client, DuoserveError
 
@@ -41,13 +41,6 @@ PROMPTS = [
     "What is a prime number?",
     "Write two lines about rain.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def metric(port: int, name: str) -> float:

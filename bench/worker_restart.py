@@ -13,7 +13,6 @@ import argparse
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,11 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+from serving import free_port
 
 from duoserve_client import Client
 
 PROMPT = "Write a long story about a lighthouse keeper."
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def log_time(log: str, pattern: str, after: float) -> float:

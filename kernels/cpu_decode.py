@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kernels._launch import require
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode_attention.c"
@@ -74,31 +76,31 @@ class CpuDecodeAttention:
         at whatever they say.
         """
         shape = self.shape
-        _require(q.dim() == 3 and q.is_contiguous(), "q", q, "a contiguous [N, H, head_dim] tensor")
+        require(q.dim() == 3 and q.is_contiguous(), "q", q, "a contiguous [N, H, head_dim] tensor")
         num_seqs, num_heads, head_dim = q.shape
-        _require(k_cache.dim() == 4 and k_cache.is_contiguous(), "k_cache", k_cache, "contiguous 4-D")
-        _require(
+        require(k_cache.dim() == 4 and k_cache.is_contiguous(), "k_cache", k_cache, "contiguous 4-D")
+        require(
             v_cache.shape == k_cache.shape and v_cache.is_contiguous(), "v_cache", v_cache, "like k_cache"
         )
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-        _require(head_dim == shape.head_dim == cache_head_dim, "head_dim", q, f"{shape.head_dim}")
-        _require(block_size == shape.block_size, "block_size", k_cache, f"{shape.block_size}")
-        _require(num_heads == num_kv_heads * shape.group, "num_heads", q, f"{num_kv_heads} * {shape.group}")
+        require(head_dim == shape.head_dim == cache_head_dim, "head_dim", q, f"{shape.head_dim}")
+        require(block_size == shape.block_size, "block_size", k_cache, f"{shape.block_size}")
+        require(num_heads == num_kv_heads * shape.group, "num_heads", q, f"{num_kv_heads} * {shape.group}")
         for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            _require(
+            require(
                 tensor.dtype == shape.dtype and tensor.device.type == "cpu",
                 name,
                 tensor,
                 f"{shape.dtype} on cpu",
             )
-        _require(
+        require(
             block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.is_contiguous(),
             "block_tables",
             block_tables,
             "contiguous int32 [N, max_blocks]",
         )
-        _require(block_tables.shape[0] == num_seqs, "block_tables", block_tables, f"{num_seqs} rows")
-        _require(
+        require(block_tables.shape[0] == num_seqs, "block_tables", block_tables, f"{num_seqs} rows")
+        require(
             context_lens.dtype == torch.int32
             and context_lens.shape == (num_seqs,)
             and context_lens.is_contiguous(),
@@ -108,7 +110,7 @@ class CpuDecodeAttention:
         )
         if out is None:
             out = torch.empty_like(q)
-        _require(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out", out, "like q")
+        require(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out", out, "like q")
         if num_seqs:
             self._function(
                 q.data_ptr(),
@@ -281,11 +283,3 @@ def _bind(path: Path) -> Callable[..., None]:
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
     return function
-
-
-def _require(ok: bool, name: str, tensor: torch.Tensor, expected: str) -> None:
-    if not ok:
-        raise ValueError(
-            f"{name}: expected {expected}, got shape {tuple(tensor.shape)} {tensor.dtype} "
-            f"strides {tensor.stride()} on {tensor.device}"
-        )

@@ -2,7 +2,7 @@
 
 Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; slot s
 is block s // block_size, offset s % block_size. Query head h reads KV head h // G, G =
-num_heads // num_kv_heads. A step writes its own K/V into the cache first (kernels.kv_write),
+num_heads // num_kv_heads. A step writes its own K/V into the cache first (kernels.fused_ops.write_kv),
 so both kernels read every key, cached prefix and new tokens alike, from the cache.
 """
 
@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels._launch import dot_in_fp32, next_power_of_2, require, require_tensor
 from kernels.cpu_decode import gather_context
+from kernels.cpu_decode import paged_decode_attention_reference as cpu_decode_reference
 
 # ------------------------------------------------------------------------------------ decode
 
@@ -213,17 +214,8 @@ def paged_decode_attention(
     return out
 
 
-def paged_decode_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> torch.Tensor:
-    """Per sequence: gather its keys and values, softmax in float32."""
-    from kernels.cpu_decode import paged_decode_attention_reference as reference
-
-    return reference(q, k_cache, v_cache, block_tables, context_lens)
+# The Triton and C decode kernels are tested against one definition.
+paged_decode_attention_reference = cpu_decode_reference
 
 
 # ------------------------------------------------------------------------------------ prefill

@@ -433,6 +433,10 @@ class Engine:
         for request in list(self._requests.values()):
             if request.first_scheduled_time is not None:
                 self._fail(request, "UNAVAILABLE", reason)
+        self._forget_worker_steps()
+
+    def _forget_worker_steps(self) -> None:
+        """The worker is gone: nothing is in flight any more and every lane is free."""
         self._inflight.clear()
         self._pending_releases.clear()
         self._free_lanes = list(range(self.config.max_inflight))
@@ -455,9 +459,7 @@ class Engine:
             request.on_worker = False
         for request in [r for r in self._requests.values() if r.aborted]:
             self._finish(request)  # cancelled while in flight: nothing left to wait for
-        self._inflight.clear()
-        self._pending_releases.clear()
-        self._free_lanes = list(range(self.config.max_inflight))
+        self._forget_worker_steps()
 
     async def _await_replacement(self) -> None:
         """Give up (requests end UNAVAILABLE) when no replacement is ready in time."""
