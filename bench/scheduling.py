@@ -162,7 +162,28 @@ def bench_qos(args: argparse.Namespace, tokenizer: Any, log_dir: Path) -> dict[s
     )
     print(HEADER)
     figures: dict[str, Any] = {}
-    config = ServerConfig(label="default", dtype=args.dtype, flags=())
+    # A/B in one run: urgent steps (the default) against the same server without them.
+    for label, flags in (("urgent steps", ()), ("no urgent steps", ("--no-urgent-steps",))):
+        print(f"# server: {label}")
+        figures[label] = _qos_one_server(
+            ServerConfig(label=label, dtype=args.dtype, flags=flags),
+            args,
+            log_dir,
+            (batch, batch_out),
+            (interactive, int_out, arrivals),
+        )
+    return figures
+
+
+def _qos_one_server(
+    config: ServerConfig,
+    args: argparse.Namespace,
+    log_dir: Path,
+    batch_load: tuple[list[list[int]], int],
+    interactive_load: tuple[list[list[int]], int, list[float]],
+) -> dict[str, Any]:
+    (batch, batch_out), (interactive, int_out, arrivals) = batch_load, interactive_load
+    figures: dict[str, Any] = {}
     with launched_server(config, args, log_dir) as (target, metrics_url):
         _warm_up(target, interactive[0])
         idle = []
@@ -174,16 +195,16 @@ def bench_qos(args: argparse.Namespace, tokenizer: Any, log_dir: Path) -> dict[s
         jobs += [(p, int_out, t, "interactive") for p, t in zip(interactive, arrivals, strict=True)]
         before = worker_seconds(metrics_url)
         results = asyncio.run(_run(target, jobs))
-        figures["batch loaded"] = _stats(results[:n_batch])
-        figures["interactive loaded"] = _stats(results[n_batch:])
+        figures["batch loaded"] = _stats(results[: len(batch)])
+        figures["interactive loaded"] = _stats(results[len(batch) :])
         _print("batch, with interactive arriving", figures["batch loaded"])
         _print("interactive, during the batch load", figures["interactive loaded"])
         figures["worker_seconds"] = print_worker_split(before, worker_seconds(metrics_url))
     idle_p50 = figures["interactive idle"]["ttft_p50_ms"]
     figures["loaded_p99_over_idle_p50"] = figures["interactive loaded"]["ttft_p99_ms"] / max(idle_p50, 1e-9)
     print(
-        f"# interactive TTFT p99 under load = {figures['loaded_p99_over_idle_p50']:.1f}x its idle TTFT p50 "
-        "(target <= 2x)",
+        f"# {config.label}: interactive TTFT p99 under load = {figures['loaded_p99_over_idle_p50']:.1f}x "
+        "its idle TTFT p50 (target <= 2x)",
         flush=True,
     )
     return figures

@@ -8,7 +8,7 @@ Weights are stored fused: q/k/v as one [(H + 2 Hkv) * Dh, hidden] matrix and gat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +120,20 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, hidden]
-        hidden = hidden + self._attention(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
+        hidden = self.attention_block(hidden, cos, sin, kv_cache, batch)
+        return self.mlp_block(hidden)
+
+    def attention_block(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, hidden]
+        return hidden + self._attention(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
+
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return hidden + self._mlp(self.post_attention_layernorm(hidden))
 
     def forward_fused(
@@ -253,16 +266,30 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        batch: ForwardBatch,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        yield_point: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [S, vocab] float32
-        """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only."""
+        """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only.
+
+        `yield_point` is called between blocks (after each attention and each MLP block): the
+        worker runs urgent steps there, on other sequences, while this one waits.
+        """
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
         if self.fused_ops:
-            return self._forward_fused(hidden, batch, kv_caches)
+            return self._forward_fused(hidden, batch, kv_caches, yield_point)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, batch)
+            assert isinstance(layer, DecoderLayer)
+            if yield_point is None:
+                hidden = layer(hidden, cos, sin, kv_cache, batch)
+                continue
+            hidden = layer.attention_block(hidden, cos, sin, kv_cache, batch)
+            yield_point()
+            hidden = layer.mlp_block(hidden)
+            yield_point()
         hidden = hidden.index_select(0, batch.logits_indices)  # [S, hidden]
         return self.lm_head_linear(self.norm(hidden)).float()  # [S, vocab]
 
@@ -271,10 +298,13 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor,
         batch: ForwardBatch,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        yield_point: Callable[[], None] | None,
     ) -> torch.Tensor:  # [S, vocab] float32
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
             x = layer.forward_fused(x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm)
+            if yield_point is not None:
+                yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()

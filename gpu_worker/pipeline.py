@@ -9,12 +9,20 @@ one step after the other, so the two are compared A/B.
 Per step the worker reports staging time and how much of it was exposed (the
 compute thread stood waiting for it), and the time it waited for the scheduler
 while sequences were in flight (waiting with nothing to do does not count).
+
+Urgent steps (Step.urgent: interactive prefills the scheduler sends while a step
+computes) do not wait for that step to finish: the compute thread runs them at
+its next block boundary (LlamaModel.forward's yield point), answers them, and
+resumes. They touch only their own sequences, so the step they interrupt computes
+exactly what it would have. A step never waits longer for an urgent one than one
+attention or MLP block. With SBO off there is no thread to receive them early, and
+urgent steps run in arrival order like any other.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -49,18 +57,49 @@ class _Timings:
 
     def __init__(self) -> None:
         self.ready_at = time.perf_counter()
+        self.nested_seconds = 0.0  # compute time of urgent steps run inside other steps, in total
 
-    def fill(self, result: worker_pb2.StepResult, item: _Staged, had_work: bool, started: float) -> None:
+    def fill(
+        self, result: worker_pb2.StepResult, item: _Staged, had_work: bool, started: float, inner: float
+    ) -> None:
+        """`inner`: seconds urgent steps took inside this one (not this step's compute)."""
         staged = item.staged
         assert staged is not None
         result.staging_seconds = staged.staging_seconds
+        result.compute_seconds = time.perf_counter() - started - inner
         # The compute thread was free from ready_at; the step arrived at arrived_at and was
         # staged at staged_at. Idle before arrival is waiting for the scheduler; idle after it
         # is staging the compute thread could not hide.
         begin = max(self.ready_at, item.arrived_at)
         result.exposed_staging_seconds = min(staged.staging_seconds, max(0.0, staged.staged_at - begin))
         result.wait_seconds = max(0.0, item.arrived_at - self.ready_at) if had_work else 0.0
-        result.compute_seconds = time.perf_counter() - started
+
+
+class _StepQueue:
+    """Staged steps from the staging thread to the compute thread; urgent ones jump the queue."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._steps: collections.deque[_Staged] = collections.deque()
+        self._urgent: collections.deque[_Staged] = collections.deque()
+
+    def put(self, item: _Staged) -> None:
+        with self._ready:
+            urgent = item.staged is not None and item.staged.urgent
+            (self._urgent if urgent else self._steps).append(item)
+            self._ready.notify()
+
+    def get(self) -> _Staged:
+        """The next step to run, urgent ones first; blocks until there is one."""
+        with self._ready:
+            while not (self._urgent or self._steps):
+                self._ready.wait()
+            return (self._urgent or self._steps).popleft()
+
+    def take_urgent(self) -> _Staged | None:
+        """An urgent step waiting to run, without blocking."""
+        with self._ready:
+            return self._urgent.popleft() if self._urgent else None
 
 
 def _step_span(staged: StagedStep) -> Span:
@@ -76,6 +115,7 @@ def _step_span(staged: StagedStep) -> Span:
         attributes={
             "duoserve.step_id": staged.step_id,
             "duoserve.lane": staged.lane,
+            "duoserve.step.urgent": staged.urgent,
             "duoserve.batch.sequences": len(batch.chunk_order) if batch is not None else 0,
             "duoserve.batch.tokens": tokens,
             "duoserve.batch.decode_tokens": decodes,
@@ -116,22 +156,37 @@ class StepPipeline:
             return _Staged(None, arrived, error=f"staging failed: {err}", step_id=message.step.step_id)
         return _Staged(staged, arrived)
 
-    def _execute(self, item: _Staged, timings: _Timings, send: Callable[[bytes], None]) -> None:
+    def _execute(
+        self,
+        item: _Staged,
+        timings: _Timings,
+        send: Callable[[bytes], None],
+        yield_point: Callable[[], None] | None = None,
+        nested: bool = False,
+    ) -> None:
+        """Run one step and send its result. `nested`: run inside another step (an urgent one):
+        the compute thread was busy, so it neither waited for it nor becomes free after it."""
         assert item.staged is not None
         had_work = self.runner.has_work_in_flight
         started = time.perf_counter()
+        nested_before = timings.nested_seconds
         span = _step_span(item.staged) if tracing.enabled() and item.staged.traceparents else None
         try:
-            result = self.runner.execute(item.staged)
+            result = self.runner.execute(item.staged, yield_point)
         except Exception as err:
             log.exception("step %d failed", item.staged.step_id)
             if span is not None:
                 span.record_exception(err)
                 span.end()
             send(_error_message(item.staged.step_id, f"step failed: {err}").SerializeToString())
-            timings.ready_at = time.perf_counter()
+            if not nested:
+                timings.ready_at = time.perf_counter()
             return
-        timings.fill(result, item, had_work, started)
+        if nested:
+            result.staging_seconds = item.staged.staging_seconds
+            result.compute_seconds = time.perf_counter() - started
+        else:
+            timings.fill(result, item, had_work, started, timings.nested_seconds - nested_before)
         if span is not None:
             span.set_attributes(
                 {
@@ -143,7 +198,8 @@ class StepPipeline:
             )
             span.end()
         send(worker_pb2.WorkerMessage(result=result).SerializeToString())
-        timings.ready_at = time.perf_counter()
+        if not nested:
+            timings.ready_at = time.perf_counter()
 
     # ------------------------------------------------------------------ SBO off
 
@@ -166,12 +222,20 @@ class StepPipeline:
         results_in.bind(_RESULTS_ADDRESS)
         results_out = context.socket(zmq.PUSH)
         results_out.connect(_RESULTS_ADDRESS)
-        staged_queue: queue.Queue[_Staged] = queue.Queue()
+        staged_queue = _StepQueue()
         stager = threading.Thread(
             target=self._staging_loop, args=(results_in, staged_queue), name="duoserve-staging", daemon=True
         )
         stager.start()
         timings = _Timings()
+
+        def run_urgent_steps() -> None:
+            """Between two blocks of the step in progress: run the urgent steps that arrived."""
+            while (urgent := staged_queue.take_urgent()) is not None:
+                started = time.perf_counter()
+                self._execute(urgent, timings, results_out.send, nested=True)
+                timings.nested_seconds += time.perf_counter() - started
+
         try:
             while True:
                 item = staged_queue.get()
@@ -180,13 +244,13 @@ class StepPipeline:
                         results_out.send(_error_message(item.step_id, item.error).SerializeToString())
                         continue
                     return
-                self._execute(item, timings, results_out.send)
+                self._execute(item, timings, results_out.send, run_urgent_steps)
         finally:
             results_out.send(b"")  # wakes the staging thread so it exits
             stager.join(timeout=5)
             results_out.close(linger=0)
 
-    def _staging_loop(self, results_in: zmq.Socket, staged_queue: queue.Queue[_Staged]) -> None:
+    def _staging_loop(self, results_in: zmq.Socket, staged_queue: _StepQueue) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(results_in, zmq.POLLIN)

@@ -10,6 +10,7 @@ batch, and it only schedules a sequence again after its previous result.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +46,7 @@ class StagedStep:
     staging_seconds: float = 0.0
     staged_at: float = field(default_factory=time.perf_counter)
     traceparents: dict[int, str] = field(default_factory=dict)  # traced sequences' spans (see worker.proto)
+    urgent: bool = False  # runs at the next layer boundary of the step in progress (see worker.proto)
 
 
 def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
@@ -141,14 +143,18 @@ class ModelRunner:
             sampled=sampled,
             staging_seconds=time.perf_counter() - started,
             traceparents=dict(step.traceparents),
+            urgent=step.urgent,
         )
 
     @torch.inference_mode()
-    def execute(self, staged: StagedStep) -> worker_pb2.StepResult:
+    def execute(
+        self, staged: StagedStep, yield_point: Callable[[], None] | None = None
+    ) -> worker_pb2.StepResult:
+        """Run one staged step; `yield_point` runs between the model's blocks (see LlamaModel.forward)."""
         result = worker_pb2.StepResult(step_id=staged.step_id, lane=staged.lane)
         if staged.batch is None:
             return result
-        logits = self.model(staged.batch, self.kv_cache)  # [S, vocab] float32
+        logits = self.model(staged.batch, self.kv_cache, yield_point)  # [S, vocab] float32
         if not staged.sampled:
             return result
         rows = [

@@ -83,7 +83,7 @@ class RunningSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("step_id", "lane", "new_sequences", "running", "released_seq_ids", "traceparents")
+    __slots__ = ("step_id", "lane", "new_sequences", "running", "released_seq_ids", "traceparents", "urgent")
     class TraceparentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,13 +97,15 @@ class Step(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    URGENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     lane: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running: _containers.RepeatedCompositeFieldContainer[RunningSequence]
     released_seq_ids: bytes
     traceparents: _containers.ScalarMap[int, str]
-    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[bytes] = ..., traceparents: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    urgent: bool
+    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[bytes] = ..., traceparents: _Optional[_Mapping[int, str]] = ..., urgent: _Optional[bool] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ()

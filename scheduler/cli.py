@@ -91,6 +91,12 @@ SCHEDULER_FLAGS = (
         "fewest running sequences DBO puts in one lane (0 = by device: CPU keeps decodes in one lane)",
     ),
     Flag("--prefix-cache", bool, True, "reuse the KV blocks of cached prompt prefixes"),
+    Flag(
+        "--urgent-steps",
+        bool,
+        True,
+        "run interactive prefills at the next layer boundary of the step in progress (needs --max-inflight >= 2)",
+    ),
     Flag("--max-queued-requests", int, 1024, "requests waiting or running before RESOURCE_EXHAUSTED"),
     Flag(
         "--max-queued-tokens",

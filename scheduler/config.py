@@ -30,6 +30,7 @@ class SchedulerConfig:
     max_inflight: int = 2
     min_lane_seqs: int = 0  # 0 = by the worker's device (see lane_min_seqs)
     prefix_cache: bool = True
+    urgent_steps: bool = True  # interactive prefills interrupt the step in progress at a layer boundary
     max_queued_requests: int = 1024
     max_queued_tokens: int = 262144
     prefill_window_ms: float = 0.0

@@ -103,6 +103,7 @@ class Engine:
         self._restart_deadline = 0.0
         self._restart_watchdog: asyncio.Task[None] | None = None
         self.num_preemptions = 0
+        self.num_urgent_steps = 0
         self.worker_times = WorkerTimes()
 
     # ------------------------------------------------------------------ lifecycle
@@ -222,11 +223,17 @@ class Engine:
         """Fill every free lane with a planned step."""
         assert self.planner is not None
         while self._free_lanes and not self.worker_lost:
-            plan = self.planner.plan(worker_idle=not self._inflight)
+            plan = None
+            urgent = self.config.urgent_steps and bool(self._inflight) and self.planner.has_urgent()
+            if urgent:
+                plan = self.planner.plan_urgent()
+                urgent = plan is not None
+            if plan is None:
+                plan = self.planner.plan(worker_idle=not self._inflight)
             if plan is None:
                 self._wake_at_window_end()
                 return
-            self._send(plan, self._free_lanes.pop(0))
+            self._send(plan, self._free_lanes.pop(0), urgent)
 
     def _wake_at_window_end(self) -> None:
         """Re-plan when a held-back prefill's batching window ends."""
@@ -242,7 +249,7 @@ class Engine:
 
         self._window_timer = asyncio.get_running_loop().call_later(delay, wake)
 
-    def _send(self, plan: StepPlan, lane: int) -> None:
+    def _send(self, plan: StepPlan, lane: int, urgent: bool = False) -> None:
         assert self.blocks is not None
         self.num_preemptions += len(plan.preempted)
         for request in plan.preempted:
@@ -252,7 +259,8 @@ class Engine:
             if request.on_worker:
                 self._pending_releases.append(request.seq_id)
                 request.on_worker = False
-        step = worker_pb2.Step(step_id=next(self._step_ids), lane=lane)
+        step = worker_pb2.Step(step_id=next(self._step_ids), lane=lane, urgent=urgent)
+        self.num_urgent_steps += urgent
         step.released_seq_ids = np.asarray(self._pending_releases, dtype="<u8").tobytes()
         self._pending_releases.clear()
         now = time.monotonic()

@@ -49,6 +49,11 @@ class EngineCollector(Collector):
         preemptions = CounterMetricFamily(
             "duoserve_preemptions", "Running requests preempted for KV blocks", value=engine.num_preemptions
         )
+        urgent = CounterMetricFamily(
+            "duoserve_urgent_steps",
+            "Steps of interactive prompts run inside the batch in progress",
+            value=engine.num_urgent_steps,
+        )
         times = engine.worker_times
         worker = (
             CounterMetricFamily("duoserve_worker_busy_seconds", "Worker compute time", value=times.busy),
@@ -70,7 +75,7 @@ class EngineCollector(Collector):
                 value=times.idle_ratio(),
             ),
         )
-        yield from (queue, blocks, utilization, active, hit_ratio, preemptions, *worker)
+        yield from (queue, blocks, utilization, active, hit_ratio, preemptions, urgent, *worker)
 
 
 def _handler(registry: CollectorRegistry, is_ready: Callable[[], bool]) -> type[BaseHTTPRequestHandler]:

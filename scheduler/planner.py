@@ -20,6 +20,11 @@ sequences (an equal split, or all of them when equal shares would be smaller tha
 for a lane of its own (fewer than `min_lane_seqs` free sequences and waiting requests) waits
 for the in-flight batch and joins its next step.
 
+Urgent steps: while a batch is in flight, interactive requests still waiting for their
+first token may go out at once as a step of their own (`plan_urgent`), which the worker
+runs at the next layer boundary of the step in progress. Their time to first token is then
+their own prefill plus at most one block of the step they interrupt, however long that is.
+
 Prefill window: a new request may wait up to `prefill_window` seconds for others to batch
 its prefill with; the wait shrinks as queued prompt tokens approach the token budget and is
 skipped when the worker would otherwise have nothing to do.
@@ -126,6 +131,38 @@ class BatchPlanner:
         budget = self._plan_waiting(plan, budget - reserve, now, hold_back) + reserve
         self._plan_running(plan, budget, lambda r: True)
         return plan if plan.seqs else None
+
+    def has_urgent(self) -> bool:
+        """Whether an interactive request waits for its first token (see `plan_urgent`)."""
+        return any(self._urgent(r) for r in self.waiting) or any(
+            self._urgent(r) and not r.in_flight for r in self.running
+        )
+
+    def plan_urgent(self) -> StepPlan | None:
+        """A step of interactive prefills only, to run inside the batch in flight; None if none can start.
+
+        Continuing chunks of interactive prompts first, then admissions (which may preempt lower
+        classes for blocks or slots, as in `plan`). Decodes are left to the ordinary steps: an
+        urgent step exists to cut time to first token, and each one costs a pass over the weights.
+        """
+        plan = StepPlan()
+        budget = self._plan_running(plan, self.limits.max_batched_tokens, self._urgent)
+        scheduled = {s.request.seq_id for s in plan.seqs}
+        now = self.clock()
+        self.waiting.sort(key=lambda r: (self._rank(r, now), r.arrival_time, r.seq_id))
+        for request in [r for r in self.waiting if self._urgent(r)]:
+            if budget <= 0 or len(plan.seqs) >= self.limits.max_num_seqs:
+                break
+            if not self._admit(request, plan, budget, scheduled):
+                break
+            budget -= plan.seqs[-1].num_new_tokens
+            scheduled.add(request.seq_id)
+        return plan if plan.seqs else None
+
+    @staticmethod
+    def _urgent(request: Request) -> bool:
+        """An interactive request that has produced no token yet (prefill or waiting to start)."""
+        return request.params.priority == 0 and not request.output_token_ids
 
     def window_expiry(self) -> float | None:
         """When the oldest held-back prefill's window ends (clock time), if one is held back."""

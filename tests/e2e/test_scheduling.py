@@ -124,6 +124,23 @@ def test_an_interactive_request_overtakes_a_saturating_batch_load(two_slot_serve
     assert metrics(two_slot_server)["duoserve_preemptions_total"] > preemptions_before
 
 
+def test_an_interactive_prompt_runs_inside_the_batch_in_progress(smollm_server: ServerProcess) -> None:
+    prompt = "Name three colours."
+    with Client(smollm_server.target) as client:
+        alone = client.generate(prompt, max_tokens=12, ignore_eos=True, priority="interactive")
+        urgent_before = metrics(smollm_server)["duoserve_urgent_steps_total"]
+        load = [long_running(client, 64) for _ in range(3)]
+        wait_running(smollm_server, 3)
+        loaded = client.generate(prompt, max_tokens=12, ignore_eos=True, priority="interactive")
+        for thread in load:
+            thread.join(timeout=120)
+    # Its prompt went out as an urgent step beside the batch in flight, and the tokens are the
+    # ones it gets on an idle server.
+    assert metrics(smollm_server)["duoserve_urgent_steps_total"] > urgent_before
+    assert loaded.token_ids == alone.token_ids
+    assert metrics(smollm_server)['duoserve_kv_cache_blocks{state="used"}'] == 0
+
+
 def test_overload_is_refused_at_once_and_the_admitted_load_completes(
     two_slot_server: ServerProcess,
     reference: dict[str, tuple[str, list[int]]],

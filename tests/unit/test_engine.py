@@ -47,6 +47,7 @@ class ScriptedWorker:
     garbage_at_step: int | None = None  # send undecodable bytes before answering this step
     seen_seq_ids: set[int] = field(default_factory=set)
     steps: list[list[int]] = field(default_factory=list)
+    urgent_steps: list[int] = field(default_factory=list)  # indexes into steps
     _thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -85,6 +86,8 @@ class ScriptedWorker:
                 lengths[new.seq_id] = [len(np.frombuffer(new.token_ids, "<i4")), new.num_computed_tokens]
                 scheduled.append((new.seq_id, new.num_new_tokens))
             scheduled += [(r.seq_id, r.num_new_tokens) for r in step.running]
+            if step.urgent:
+                self.urgent_steps.append(len(self.steps))
             self.steps.append([seq_id for seq_id, _ in scheduled])
             self.seen_seq_ids.update(seq_id for seq_id, _ in scheduled)
             if len(self.steps) == self.die_at_step:
@@ -217,6 +220,34 @@ def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, 
             assert await outcome(request) == ([TOKEN] * 12, "LENGTH")
         # No sequence was ever in two batches at once: every step's sequences are distinct.
         assert all(len(ids) == len(set(ids)) for ids in worker.steps)
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("urgent_steps", [True, False])
+def test_an_interactive_prompt_goes_out_at_once_as_an_urgent_step(urgent_steps: bool) -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), device="cpu", step_seconds=0.03)
+        engine = await with_engine(worker, max_inflight=2, urgent_steps=urgent_steps)
+        bulk = [make_request(engine, 3, max_tokens=20, priority=2) for _ in range(4)]
+        for request in bulk:
+            engine.submit(request)
+        await asyncio.sleep(0.1)
+        interactive = make_request(engine, 6, max_tokens=3, priority=0)
+        engine.submit(interactive)
+        in_flight_at_submit = engine.num_inflight_batches
+        assert await outcome(interactive) == ([TOKEN] * 3, "LENGTH")
+        for request in bulk:
+            assert await outcome(request) == ([TOKEN] * 20, "LENGTH")
+        if urgent_steps:
+            # Sent beside the bulk step in flight, holding the interactive prompt alone.
+            assert in_flight_at_submit == 2
+            assert [worker.steps[i] for i in worker.urgent_steps] == [[interactive.seq_id]]
+        else:
+            assert in_flight_at_submit == 1 and worker.urgent_steps == []
+        assert all(len(ids) == len(set(ids)) for ids in worker.steps)
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
         await stop(engine, worker)
 
     asyncio.run(scenario())

@@ -317,3 +317,34 @@ def test_queued_prompt_tokens_count_only_requests_that_never_ran() -> None:
     assert planner.queued_prompt_tokens == 5
     dispatch(planner.plan())
     assert planner.queued_prompt_tokens == 0
+
+
+def test_an_urgent_step_holds_only_interactive_prompts_without_a_first_token() -> None:
+    clock = FakeClock()
+    planner = make_classed_planner(64, clock, max_batched_tokens=20, prefill_chunk=8, max_inflight=2)
+    bulk = [classed(i, 5, priority=2, arrival=float(i)) for i in (1, 2)]
+    for request in bulk:
+        planner.add(request)
+    in_flight = dispatch(planner.plan())
+    assert not planner.has_urgent() and planner.plan_urgent() is None
+    long_prompt = classed(3, 12, priority=0, arrival=3.0)  # two chunks of 8 and 4
+    short_prompt = classed(4, 3, priority=0, arrival=4.0)
+    standard = classed(5, 3, priority=1, arrival=2.5)
+    for request in (long_prompt, short_prompt, standard):
+        planner.add(request)
+    assert planner.has_urgent()
+    first = dispatch(planner.plan_urgent())
+    assert summary(first) == [(3, 8, [4, 5]), (4, 3, [6])]  # no bulk decodes, no standard prompt
+    assert standard.state is RequestState.WAITING
+    complete(first)
+    # The long prompt's second chunk is still before its first token: urgent again; the short
+    # prompt now decodes and waits for an ordinary step.
+    assert planner.has_urgent()
+    second = dispatch(planner.plan_urgent())
+    assert summary(second) == [(3, 4, [7])]
+    complete(second)
+    assert not planner.has_urgent() and planner.plan_urgent() is None
+    complete(in_flight)
+    lanes = [dispatch(planner.plan()), dispatch(planner.plan())]  # ordinary DBO lanes again
+    assert sorted(s.request.seq_id for lane in lanes for s in lane.seqs) == [1, 2, 3, 4, 5]
+    planner.blocks.check_integrity()

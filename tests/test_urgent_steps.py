@@ -1,0 +1,172 @@
+"""Urgent steps on a real (tiny) model: run inside another step at a block boundary, same tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.model import LlamaModel
+from gpu_worker.pipeline import StepPipeline
+from gpu_worker.runner import ModelRunner, StagedStep
+from gpu_worker.worker import make_attention
+from protos import worker_pb2
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+    )
+    path: Path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+    return load_model(path)
+
+
+def make_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> ModelRunner:
+    config, weights = tiny
+    model = LlamaModel(config, torch.float32, "cpu")
+    model.load_weights(weights)
+    model.use_attention(make_attention(backend, config, torch.float32, torch.device("cpu"), BLOCK_SIZE))
+    kv_cache = allocate_kv_cache(config, 64, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    return ModelRunner(model, kv_cache, BLOCK_SIZE, torch.device("cpu"))
+
+
+def prefill_step(
+    step_id: int, seqs: list[tuple[int, int, list[int]]], urgent: bool = False
+) -> worker_pb2.Step:
+    """A step starting sequences (seq_id, prompt_len, block ids) from scratch."""
+    step = worker_pb2.Step(step_id=step_id, urgent=urgent)
+    for seq_id, length, blocks in seqs:
+        prompt = (np.arange(length, dtype="<i4") * 7 + seq_id) % 250 + 3
+        step.new_sequences.append(
+            worker_pb2.NewSequence(
+                seq_id=seq_id,
+                token_ids=prompt.tobytes(),
+                prompt_len=length,
+                block_ids=np.asarray(blocks, dtype="<i4").tobytes(),
+                num_new_tokens=length,
+            )
+        )
+    return step
+
+
+# Step A: three long prompts (the step that gets interrupted); step U: one short prompt (urgent).
+STEP_A = [(1, 60, list(range(0, 8))), (2, 33, list(range(8, 13))), (3, 17, list(range(13, 16)))]
+STEP_U = [(4, 11, [20, 21])]
+
+
+def sampled(result: worker_pb2.StepResult) -> dict[int, int]:
+    seq_ids = np.frombuffer(result.seq_ids, "<u8").tolist()
+    return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
+
+
+def sequential_reference(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> dict[int, int]:
+    runner = make_runner(tiny, backend)
+    first = runner.execute(runner.stage(prefill_step(1, STEP_A)))
+    second = runner.execute(runner.stage(prefill_step(2, STEP_U, urgent=True)))
+    return sampled(first) | sampled(second)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str
+) -> None:
+    expected = sequential_reference(tiny, backend)
+    runner = make_runner(tiny, backend)
+    outer = runner.stage(prefill_step(1, STEP_A))
+    # An urgent step at each boundary of the outer one: 3 layers x 2 blocks.
+    urgent_steps: list[StagedStep] = []
+    for index in range(6):
+        seq_id = 10 + index
+        urgent_steps.append(
+            runner.stage(prefill_step(2 + index, [(seq_id, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
+        )
+    urgent_results: list[worker_pb2.StepResult] = []
+
+    def run_one_urgent_step() -> None:
+        urgent_results.append(runner.execute(urgent_steps[len(urgent_results)]))
+
+    got = sampled(runner.execute(outer, run_one_urgent_step))
+    assert len(urgent_results) == 6
+    assert got == {k: v for k, v in expected.items() if k in got}
+    # Each urgent prompt alone, on a fresh runner, gives the token it got inside the outer step.
+    for index, result in enumerate(urgent_results):
+        alone = make_runner(tiny, backend)
+        staged = alone.stage(prefill_step(1, [(10 + index, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
+        assert sampled(result) == sampled(alone.execute(staged))
+
+
+class SlowBoundaries(ModelRunner):
+    """A real runner whose block boundaries each take 50 ms longer, so an urgent step surely arrives mid-step."""
+
+    def execute(
+        self, staged: StagedStep, yield_point: Callable[[], None] | None = None
+    ) -> worker_pb2.StepResult:
+        if yield_point is None:
+            return super().execute(staged)
+        inner = yield_point
+
+        def slow() -> None:
+            time.sleep(0.05)
+            inner()
+
+        return super().execute(staged, slow)
+
+
+def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    expected = sequential_reference(tiny, "torch")
+    plain = make_runner(tiny, "torch")
+    runner = SlowBoundaries(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind("inproc://duoserve-test-urgent")
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect("inproc://duoserve-test-urgent")
+    pipeline = StepPipeline(worker_side, runner, sbo=True)
+    thread = threading.Thread(target=pipeline.run, daemon=True)
+    thread.start()
+    try:
+        started = time.perf_counter()
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_A)).SerializeToString())
+        time.sleep(0.08)  # step 1 is at its second boundary or so: 6 boundaries of 50 ms each
+        urgent = prefill_step(2, STEP_U, urgent=True)
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=urgent).SerializeToString())
+        assert scheduler_side.poll(10_000)
+        results = [worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result]
+        assert scheduler_side.poll(10_000)
+        results.append(worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result)
+        wall = time.perf_counter() - started
+        assert [r.step_id for r in results] == [2, 1]
+        assert sampled(results[0]) | sampled(results[1]) == expected
+        # The interrupted step's compute time leaves out the urgent step it ran.
+        assert results[1].compute_seconds + results[0].compute_seconds <= wall
+        assert results[0].wait_seconds == 0 and results[0].exposed_staging_seconds == 0
+    finally:
+        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
+        thread.join(timeout=10)
+        scheduler_side.close(linger=0)
+        worker_side.close(linger=0)
+    assert not thread.is_alive()
