@@ -59,15 +59,20 @@ class ServerConfig:
 
     @classmethod
     def parse(cls, text: str) -> ServerConfig:
-        """``key=value[,key=value...]``; keys are ``duoserve serve`` flags without the dashes."""
-        values: dict[str, str] = {}
+        """``key=value[,key=value...]``; keys are ``duoserve serve`` flags without the dashes; a
+        key alone is a switch (``no-sbo``)."""
+        values: dict[str, str | None] = {}
         for item in filter(None, text.split(",")):
             key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise argparse.ArgumentTypeError(f"config {text!r}: expected key=value, got {item!r}")
-            values[key.strip().removeprefix("--")] = value.strip()
-        dtype = values.pop("dtype", "auto")
-        flags = [part for key, value in values.items() for part in (f"--{key}", value)]
+            if not key.strip():
+                raise argparse.ArgumentTypeError(
+                    f"config {text!r}: expected key=value or a switch, got {item!r}"
+                )
+            values[key.strip().removeprefix("--")] = value.strip() if sep else None
+        dtype = values.pop("dtype", None) or "auto"
+        flags = []
+        for key, value in values.items():
+            flags += [f"--{key}"] if value is None else [f"--{key}", value]
         return cls(label=text, dtype=dtype, flags=tuple(flags))
 
 
