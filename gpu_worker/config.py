@@ -26,6 +26,7 @@ class WorkerConfig:
     kv_cache_memory: float = 0.0
     threads: int = 0
     sbo: bool = True
+    small_batch_linear: bool = True
     seed: int = 0
     zmq_curve_worker_secret: str = ""
     zmq_curve_server_key: str = ""

@@ -16,8 +16,9 @@ from torch import nn
 
 from gpu_worker.attention import TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import make_linear, packed_linear_available
+from gpu_worker.linear import make_linear, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
+from kernels.cpu_linear import SmallBatchLinear
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -105,12 +106,12 @@ class DecoderLayer(nn.Module):
         self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
         self.prepare_linears(packed=False)
 
-    def prepare_linears(self, packed: bool) -> None:
+    def prepare_linears(self, packed: bool, small_batch: SmallBatchLinear | None = None) -> None:
         """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed)
-        self.o_proj = make_linear(self.o_weight, None, packed)
-        self.gate_up = make_linear(self.gate_up_weight, None, packed)
-        self.down = make_linear(self.down_weight, None, packed)
+        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed, small_batch)
+        self.o_proj = make_linear(self.o_weight, None, packed, small_batch)
+        self.gate_up = make_linear(self.gate_up_weight, None, packed, small_batch)
+        self.down = make_linear(self.down_weight, None, packed, small_batch)
 
     def forward(
         self,
@@ -189,8 +190,17 @@ class LlamaModel(nn.Module):
 
     inv_freq: torch.Tensor  # [Dh / 2] float32 buffer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        small_batch_linears: bool = True,
+    ) -> None:
+        """`small_batch_linears`: in bfloat16 on the CPU, steps of one or two rows take the
+        small-batch linear kernel where it builds (gpu_worker/linear.py)."""
         super().__init__()
+        self.small_batch_linears = small_batch_linears
         device = torch.device(device)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is unsupported; choose one of {SUPPORTED_DTYPES}")
@@ -259,10 +269,11 @@ class LlamaModel(nn.Module):
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         # Packed copies are taken of the loaded values, so this comes last.
         packed = packed_linear_available(self.dtype, self.device)
+        small_batch = small_batch_kernel() if packed and self.small_batch_linears else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed)
-        self.lm_head_linear = make_linear(self.lm_head, None, packed)
+            layer.prepare_linears(packed, small_batch)
+        self.lm_head_linear = make_linear(self.lm_head, None, packed, small_batch)
 
     @torch.inference_mode()
     def forward(

@@ -217,7 +217,7 @@ def _run(config: WorkerConfig) -> int:
     dtype = resolve_dtype(config.dtype, device)
     started = time.perf_counter()
     model_config, weights = load_model(config.model)
-    model = LlamaModel(model_config, dtype, device)
+    model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
     model.load_weights(weights)
     del weights
     log.info(

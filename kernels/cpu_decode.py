@@ -2,9 +2,7 @@
 
 The kernel (`kernels/cpu/paged_decode_attention.c`) reads keys and values in place from the
 paged cache, so a decode step no longer copies every sequence's context into a padded buffer
-before attending. It is compiled once per model shape with the system C compiler (`$CC`, else
-`cc`) into a cache directory (`$DUOSERVE_KERNEL_CACHE`, else `~/.cache/duoserve/kernels`), keyed
-by the source, the flags, the compiler and the CPU, and loaded with ctypes. No compiler means
+before attending. It is compiled once per model shape (kernels/cpu_build.py). No compiler means
 no kernel: `load_cpu_decode_attention` raises `KernelBuildError` and the worker keeps the torch
 path.
 """
@@ -12,13 +10,7 @@ path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,10 +19,10 @@ from pathlib import Path
 import torch
 
 from kernels._launch import require
+from kernels.cpu_build import KernelBuildError, build, load
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode_attention.c"
 MAX_HEAD_DIM = 256  # multiples of 8 up to this
 MAX_BLOCK_SIZE = 64
 MAX_GROUP = 16
@@ -38,10 +30,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
 _loaded: dict[tuple[int, int, int, torch.dtype], CpuDecodeAttention] = {}
-
-
-class KernelBuildError(RuntimeError):
-    """The kernel cannot be built or loaded here (no compiler, unsupported shape, failed compile)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,86 +188,21 @@ def load_cpu_decode_attention(
     with _lock:
         if key not in _loaded:
             shape = _Shape(head_dim, group, block_size, dtype)
-            path = _build(shape)
+            path = build(
+                "paged_decode_attention.c",
+                {
+                    "HEAD_DIM": shape.head_dim,
+                    "GROUP": shape.group,
+                    "BLOCK": shape.block_size,
+                    "ELEM_BF16": int(shape.dtype == torch.bfloat16),
+                },
+            )
             _loaded[key] = CpuDecodeAttention(_bind(path), shape, path)
         return _loaded[key]
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"C compiler {compiler!r} not found (set CC, or install gcc)")
-    return compiler
-
-
-def _flags(shape: _Shape) -> list[str]:
-    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-mprefer-vector-width=512")  # the kernel's loops are 64+ floats wide
-    return [
-        *flags,
-        f"-DHEAD_DIM={shape.head_dim}",
-        f"-DGROUP={shape.group}",
-        f"-DBLOCK={shape.block_size}",
-        f"-DELEM_BF16={int(shape.dtype == torch.bfloat16)}",
-    ]
-
-
-def _cpu_identity() -> str:
-    """What -march=native depends on: a library built for one CPU may not run on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cache_dir() -> Path:
-    if configured := os.environ.get("DUOSERVE_KERNEL_CACHE"):
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "duoserve" / "kernels"
-
-
-def _build(shape: _Shape) -> Path:
-    compiler = _compiler()
-    flags = _flags(shape)
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
-    digest = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *flags, version, _cpu_identity()]).encode()
-    ).hexdigest()[:20]
-    directory = _cache_dir()
-    target = directory / f"paged_decode_attention-{digest}.so"
-    if target.exists():
-        return target
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise KernelBuildError(f"cannot create the kernel cache {directory}: {exc}") from exc
-    # Compile to a private name, then rename: concurrent workers never load a half-written file.
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
-    os.close(fd)
-    command = [compiler, *flags, str(SOURCE), "-o", partial]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        Path(partial).unlink(missing_ok=True)
-        raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
-    os.replace(partial, target)
-    log.info("built the CPU decode attention kernel %s", target)
-    return target
-
-
 def _bind(path: Path) -> Callable[..., None]:
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelBuildError(f"cannot load {path}: {exc}") from exc
-    function = library.duoserve_paged_decode_attention
+    function = load(path).duoserve_paged_decode_attention
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
     return function

@@ -136,6 +136,12 @@ WORKER_FLAGS = (
     Flag("--kv-cache-memory", float, 0.0, "fraction of free device memory for the KV cache (0 = default)"),
     Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),
     Flag("--sbo", bool, True, "stage the next batch while the current one computes"),
+    Flag(
+        "--small-batch-linear",
+        bool,
+        True,
+        "bfloat16 on the CPU: steps of 1-2 rows take the weight-streaming C kernel (else oneDNN)",
+    ),
 )
 WORKER_ONLY_FLAGS = (
     Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),

@@ -1,0 +1,77 @@
+/*
+ * y = x @ w.T (+ bias) in bfloat16 for a few rows of x (decode steps of one to a few
+ * sequences). Such a product reads every weight once and does little with it, so its speed is
+ * the speed of streaming w from memory: each weight row is read once, contiguously, and used
+ * for every row of x, with AVX-512 BF16 dot products accumulating in float32, and the next
+ * rows are prefetched. Built by kernels/cpu_linear.py with -DMAX_ROWS; OpenMP shares the
+ * output columns out. On this machine it streams about 16 GB/s against oneDNN's 12.
+ */
+#include <stdint.h>
+#include <immintrin.h>
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512F__)
+#error "the small-batch linear kernel needs AVX-512 BF16"
+#endif
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4
+#endif
+#ifndef MAX_ROWS
+#error "build with -DMAX_ROWS=.."
+#endif
+#define PREFETCH_ROWS 8 /* weight rows ahead (about 9 KB for 576 columns), measured best of 2..16 */
+
+/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose folded into the adds. */
+static inline __m512 sum16(const __m512 v[16])
+{
+    __m512 b[8], c[4];
+    for (int j = 0; j < 8; j++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* per 128-bit lane: that lane's sums of v[4j] .. v[4j+3] */
+        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __m512 load_bias16(const uint16_t *bias)
+{
+    if (!bias) return _mm512_setzero_ps();
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/*
+ * x: [rows, k] bf16, rows x_stride elements apart; w: [n, k] bf16, contiguous; bias: [n] or NULL;
+ * y: [rows, n] bf16, contiguous. k % 32 == 0, n % 16 == 0, 1 <= rows <= MAX_ROWS.
+ */
+void duoserve_small_batch_linear(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
+                                 uint16_t *y, int64_t rows, int64_t n, int64_t k, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n0 = 0; n0 < n; n0 += 16) {
+        __m512 part[MAX_ROWS][16];
+        for (int j = 0; j < 16; j++) {
+            const uint16_t *row = w + (n0 + j) * k;
+            __m512 acc[MAX_ROWS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < k; c += 32) {
+                __builtin_prefetch(row + PREFETCH_ROWS * k + c);
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(row + c));
+                for (int r = 0; r < rows; r++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * x_stride + c));
+                    acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
+                }
+            }
+            for (int r = 0; r < rows; r++) part[r][j] = acc[r];
+        }
+        const __m512 b = load_bias16(bias ? bias + n0 : 0);
+        for (int r = 0; r < rows; r++) {
+            const __m512 sums = _mm512_add_ps(sum16(part[r]), b);
+            _mm256_storeu_si256((__m256i *)(y + r * n + n0), (__m256i)_mm512_cvtneps_pbh(sums));
+        }
+    }
+}

@@ -1,0 +1,101 @@
+"""Building the CPU kernels in kernels/cpu/: compiled on first use with the system C compiler.
+
+Each library is compiled for this CPU (`-march=native`) with its shape constants fixed by
+`-D` defines, into a cache directory (`$DUOSERVE_KERNEL_CACHE`, else
+`~/.cache/duoserve/kernels`) keyed by the source, the flags, the compiler and the CPU, and
+loaded with ctypes after torch, so its OpenMP calls share torch's libgomp and thread pool.
+No compiler, or a CPU the source cannot target, raises `KernelBuildError`; callers then keep
+their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).with_name("cpu")
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel cannot be built or loaded here (no compiler, unsupported shape or CPU, failed compile)."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"C compiler {compiler!r} not found (set CC, or install gcc)")
+    return compiler
+
+
+def _base_flags() -> list[str]:
+    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-mprefer-vector-width=512")  # the kernels' loops are 64+ floats wide
+    return flags
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: a library built for one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    if configured := os.environ.get("DUOSERVE_KERNEL_CACHE"):
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "duoserve" / "kernels"
+
+
+def build(source_name: str, defines: dict[str, int]) -> Path:
+    """The shared library of kernels/cpu/`source_name` with these -D defines, compiled unless cached."""
+    source = SOURCES / source_name
+    compiler = _compiler()
+    flags = [*_base_flags(), *(f"-D{name}={value}" for name, value in defines.items())]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
+    digest = hashlib.sha256(
+        "\0".join([source.read_text(), *flags, version, _cpu_identity()]).encode()
+    ).hexdigest()[:20]
+    directory = cache_dir()
+    target = directory / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot create the kernel cache {directory}: {exc}") from exc
+    # Compile to a private name, then rename: concurrent workers never load a half-written file.
+    fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
+    os.close(fd)
+    command = [compiler, *flags, str(source), "-o", partial]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        Path(partial).unlink(missing_ok=True)
+        raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    os.replace(partial, target)
+    log.info("built the CPU kernel %s", target)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {path}: {exc}") from exc

@@ -1,0 +1,113 @@
+"""y = x @ weight.T (+ bias) for one or two rows of x in bfloat16: a C kernel that streams the weights.
+
+A decode step of one or two sequences reads every weight once and does almost nothing with it,
+so its linears run at the speed weights stream from memory. oneDNN's packed kernel reaches
+about 12 GB/s there on this machine; `kernels/cpu/small_batch_linear.c` reads each weight row
+once, contiguously, for all rows of x, with AVX-512 BF16 dot products, and reaches about 16
+(bench: a whole SmolLM2 layer stack at one row, 16.9 ms against 21.8 ms). From four rows on
+oneDNN is faster, so the worker calls this only for up to MAX_ROWS rows
+(gpu_worker/linear.py). It needs AVX-512 BF16; elsewhere `load_small_batch_linear` raises
+`KernelBuildError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+
+import torch
+
+from kernels._launch import require
+from kernels.cpu_build import KernelBuildError, build, load
+
+MAX_ROWS = 2
+
+_lock = threading.Lock()
+_function: Callable[..., None] | None = None
+
+
+class SmallBatchLinear:
+    """The loaded kernel; call it like F.linear on bfloat16 tensors with at most MAX_ROWS rows."""
+
+    def __init__(self, function: Callable[..., None]) -> None:
+        self._function = function
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        require(
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
+            "x",
+            x,
+            "a bfloat16 [rows, in] CPU tensor with contiguous rows",
+        )
+        rows, k = x.shape
+        require(1 <= rows <= MAX_ROWS, "x", x, f"1..{MAX_ROWS} rows")
+        require(
+            weight.dim() == 2
+            and weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+            and weight.shape[1] == k,
+            "weight",
+            weight,
+            f"a contiguous bfloat16 [out, {k}] tensor",
+        )
+        n = weight.shape[0]
+        require(k % 32 == 0 and n % 16 == 0, "weight", weight, "in a multiple of 32, out a multiple of 16")
+        if bias is not None:
+            require(
+                bias.shape == (n,) and bias.dtype == torch.bfloat16 and bias.is_contiguous(),
+                "bias",
+                bias,
+                f"a contiguous bfloat16 [{n}] tensor",
+            )
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        self._function(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+        return out
+
+    @staticmethod
+    def supports(weight: torch.Tensor) -> bool:
+        """Whether the kernel takes this weight's shape and layout."""
+        return (
+            weight.dim() == 2
+            and weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+            and weight.shape[1] % 32 == 0
+            and weight.shape[0] % 16 == 0
+        )
+
+
+def load_small_batch_linear() -> SmallBatchLinear:
+    """Build (or find in the cache) and load the kernel; KernelBuildError where it cannot run."""
+    global _function
+    with _lock:
+        if _function is None:
+            function = load(build("small_batch_linear.c", {"MAX_ROWS": MAX_ROWS})).duoserve_small_batch_linear
+            function.restype = None
+            function.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int,
+            ]
+            _function = function
+        return SmallBatchLinear(_function)
+
+
+__all__ = ["MAX_ROWS", "KernelBuildError", "SmallBatchLinear", "load_small_batch_linear"]
