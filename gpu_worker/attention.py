@@ -10,12 +10,29 @@ keeps CPU SDPA on its flash kernel.
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
+from kernels.cpu_fused import CpuFusedOps
+
+
+class FusedOps(Protocol):
+    """The decoder layer's fused small ops (Triton on CUDA: kernels/fused_ops.py; C on the CPU:
+    kernels/cpu_fused.py). A backend that has them runs the model's fused forward."""
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> None: ...
 
 
 def write_kv(
@@ -31,6 +48,7 @@ class TorchPagedAttention:
     """CPU/reference paged attention. Keeps a decode gather workspace per calling thread."""
 
     name = "torch"
+    fused_ops: FusedOps | None = None  # the torch path runs the model's unfused forward
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         assert num_heads % num_kv_heads == 0, f"{num_heads=} is not a multiple of {num_kv_heads=}"
@@ -53,7 +71,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:  # [T, H * D]
         """Write K/V for the step's tokens, then attend each token to its sequence's context."""
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        self._write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = q.new_empty(q.shape)  # [T, H, D]
         if batch.decode is not None:
             num = batch.decode.num_seqs
@@ -62,6 +80,16 @@ class TorchPagedAttention:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
         return out.view(q.shape[0], -1)
+
+    def _write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        write_kv(k_cache, v_cache, k, v, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
@@ -128,13 +156,36 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py);
-    prefill chunks take the torch path."""
+    prefill chunks take the torch path. With `fused_ops` (kernels/cpu_fused.py) the KV write is one C
+    call too, and the model runs its fused forward."""
 
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernel: CpuDecodeAttention) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kernel: CpuDecodeAttention,
+        fused_ops: CpuFusedOps | None = None,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
+        self.fused_ops = fused_ops
+        self._cpu_ops = fused_ops
+
+    def _write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        if self._cpu_ops is None:
+            write_kv(k_cache, v_cache, k, v, slots)
+        else:
+            self._cpu_ops.write_kv(k, v, k_cache, v_cache, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
@@ -161,6 +212,7 @@ class TritonPagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.fused_ops: FusedOps | None = fused_ops  # the module's functions
         self._write_kv = fused_ops.write_kv
         self._decode = paged_attention.paged_decode_attention
         self._prefill = paged_attention.paged_prefill_attention

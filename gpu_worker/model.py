@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import TorchPagedAttention, TritonPagedAttention
+from gpu_worker.attention import FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import make_linear, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
@@ -146,22 +146,21 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         next_norm: RMSNorm,
+        ops: FusedOps,
     ) -> torch.Tensor:  # next_norm(residual) after this layer
-        """The Triton path: residual adds fused into the norms, rotary in place, fused SiLU-and-mul."""
-        from kernels.fused_ops import fused_add_rms_norm, rotary_embedding, silu_and_mul
-
+        """The fused path: residual adds fused into the norms, rotary in place, fused SiLU-and-mul."""
         tokens = x.shape[0]
         qkv = self.qkv(x)
         q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        rotary_embedding(q, k, positions, inv_freq)
+        ops.rotary_embedding(q, k, positions, inv_freq)
         attn = self.o_proj(self.attention(q, k, v, kv_cache, batch))
-        x = fused_add_rms_norm(
+        x = ops.fused_add_rms_norm(
             attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
         )
-        mlp = self.down(silu_and_mul(self.gate_up(x)))
-        return fused_add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
+        mlp = self.down(ops.silu_and_mul(self.gate_up(x)))
+        return ops.fused_add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
 
     def _attention(
         self,
@@ -230,9 +229,9 @@ class LlamaModel(nn.Module):
         return self.attention.name
 
     @property
-    def fused_ops(self) -> bool:
-        """Whether forward takes the Triton path (fused norms, rotary and SiLU-and-mul)."""
-        return self.attention.name == "triton"
+    def fused_ops(self) -> FusedOps | None:
+        """The backend's fused ops, when forward takes the fused path (norms, rotary, SiLU-and-mul)."""
+        return self.attention.fused_ops
 
     def use_attention(self, attention: TorchPagedAttention | TritonPagedAttention) -> None:
         """Swap the attention backend of every layer (the worker picks it once the block size is known)."""
@@ -289,8 +288,8 @@ class LlamaModel(nn.Module):
         """
         assert len(kv_caches) == len(self.layers), f"{len(kv_caches)} KV caches for {len(self.layers)} layers"
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # [T, hidden]
-        if self.fused_ops:
-            return self._forward_fused(hidden, batch, kv_caches, yield_point)
+        if self.fused_ops is not None:
+            return self._forward_fused(hidden, batch, kv_caches, self.fused_ops, yield_point)
         cos, sin = rope_cos_sin(self.inv_freq, batch.positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
@@ -309,13 +308,16 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor,
         batch: ForwardBatch,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        ops: FusedOps,
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor:  # [S, vocab] float32
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
-            x = layer.forward_fused(x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm)
+            x = layer.forward_fused(
+                x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm, ops
+            )
             if yield_point is not None:
                 yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()

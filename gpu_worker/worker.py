@@ -28,6 +28,7 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
+from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from protos import worker_pb2
 from scheduler import curve, tracing
 
@@ -176,7 +177,12 @@ def make_attention(
             raise SystemExit(f"--attention-backend cpu: {exc}") from exc
         log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
         return TorchPagedAttention(*shape)
-    return CpuPagedAttention(*shape, kernel=kernel)
+    try:
+        fused: CpuFusedOps | None = load_cpu_fused_ops(dtype)
+    except KernelBuildError as exc:
+        log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
+        fused = None
+    return CpuPagedAttention(*shape, kernel=kernel, fused_ops=fused)
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:

@@ -1,0 +1,220 @@
+"""The decoder layer's small ops on the CPU in one C pass each (kernels/cpu/fused_ops.c).
+
+`CpuFusedOps` offers what the Triton path offers on CUDA (kernels/fused_ops.py), with the same
+signatures and the same rounding, so the model's fused forward runs on either: residual add +
+RMSNorm, rotary embedding in place, SiLU-and-multiply, and the paged KV write. On the CPU each
+torch op costs a dispatch and a pass over memory; a decoder layer's norms, rotary, activation
+and KV write were ~40 of them. Built per element type (float32, bfloat16) on first use
+(kernels/cpu_build.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from kernels._launch import require
+from kernels.cpu_build import KernelBuildError, build, load
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_loaded: dict[torch.dtype, CpuFusedOps] = {}
+
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "duoserve_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _INT],
+    "duoserve_rms_norm": [_P, _P, _P, _I, _I, _F, _INT],
+    "duoserve_silu_and_mul": [_P, _P, _I, _I, _INT],
+    "duoserve_rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _INT],  # cos, sin tables
+    "duoserve_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+}
+
+
+def _require_tensor(
+    tensor: torch.Tensor,
+    name: str,
+    *,
+    dims: int,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    contiguous: bool = True,
+) -> None:
+    """`tensor` has `dims` dimensions, one of `dtypes`, is on the CPU and contiguous (when asked)."""
+    require(tensor.dim() == dims, name, tensor, f"{dims} dimensions")
+    require(tensor.dtype in dtypes, name, tensor, f"dtype in {tuple(str(d) for d in dtypes)}")
+    require(tensor.device.type == "cpu", name, tensor, "a CPU tensor")
+    require(not contiguous or tensor.is_contiguous(), name, tensor, "a contiguous tensor")
+
+
+def _require_rows(tensor: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """[T, heads, D] on the CPU whose rows may be strided (views into qkv), each row packed."""
+    _require_tensor(tensor, name, dims=3, contiguous=False)
+    require(
+        tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2],
+        name,
+        tensor,
+        "each token's heads and dims contiguous",
+    )
+    require(tensor.dtype == dtype and tensor.device.type == "cpu", name, tensor, f"{dtype} on cpu")
+
+
+class CpuFusedOps:
+    """The fused ops for one element type; each checks its inputs, then makes one C call."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.restype = None
+            function.argtypes = argtypes
+        self._lib = library
+        # cos/sin of the last positions rotated, per thread: every layer of a step rotates by the same.
+        self._angles = threading.local()
+
+    def _require_matrix(self, tensor: torch.Tensor, name: str, cols: int | None = None) -> None:
+        _require_tensor(tensor, name, dims=2)
+        require(
+            tensor.dtype == self.dtype and tensor.device.type == "cpu", name, tensor, f"{self.dtype} on cpu"
+        )
+        if cols is not None:
+            require(tensor.shape[1] == cols, name, tensor, f"{cols} columns")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, C]
+        """RMSNorm(x) * weight, as the torch RMSNorm module computes it."""
+        self._require_matrix(x, "x")
+        _require_tensor(weight, "weight", dims=1)
+        require(weight.shape[0] == x.shape[1] and weight.dtype == x.dtype, "weight", weight, "[C] like x")
+        out = torch.empty_like(x)
+        self._lib.duoserve_rms_norm(
+            x.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:  # [T, C]
+        """residual += x (in place); returns RMSNorm(residual) * weight."""
+        self._require_matrix(x, "x")
+        self._require_matrix(residual, "residual", x.shape[1])
+        require(residual.shape == x.shape, "residual", residual, f"like x {tuple(x.shape)}")
+        _require_tensor(weight, "weight", dims=1)
+        require(weight.shape[0] == x.shape[1] and weight.dtype == x.dtype, "weight", weight, "[C] like x")
+        out = torch.empty_like(x)
+        self._lib.duoserve_add_rms_norm(
+            x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2F] → [T, F]
+        self._require_matrix(gate_up, "gate_up")
+        require(gate_up.shape[1] % 2 == 0, "gate_up", gate_up, "an even number of columns (gate then up)")
+        tokens, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(tokens, ffn)
+        self._lib.duoserve_silu_and_mul(
+            gate_up.data_ptr(), out.data_ptr(), tokens, ffn, torch.get_num_threads()
+        )
+        return out
+
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> None:
+        """Rotate q [T, H, D] and k [T, Hkv, D] in place; each token's heads and dims must be contiguous."""
+        _require_rows(q, "q", self.dtype)
+        _require_rows(k, "k", self.dtype)
+        _require_tensor(positions, "positions", dims=1, dtypes=(torch.int64,))
+        _require_tensor(inv_freq, "inv_freq", dims=1, dtypes=(torch.float32,))
+        head_dim = q.shape[2]
+        require(k.shape[2] == head_dim and head_dim % 2 == 0, "k", k, f"head_dim {head_dim} (even) like q")
+        require(inv_freq.shape[0] == head_dim // 2, "inv_freq", inv_freq, f"{head_dim // 2} frequencies")
+        require(
+            positions.shape[0] == q.shape[0] == k.shape[0], "positions", positions, f"{q.shape[0]} entries"
+        )
+        cos, sin = self._cos_sin(positions, inv_freq)
+        self._lib.duoserve_rotary(
+            q.data_ptr(),
+            q.stride(0),
+            q.shape[1],
+            k.data_ptr(),
+            k.stride(0),
+            k.shape[1],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q.shape[0],
+            head_dim // 2,
+            torch.get_num_threads(),
+        )
+
+    def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, D / 2] float32 tables, rounded to the element type as torch's rope rounds them; computed
+        once per step (the same positions tensor), not once per layer."""
+        last = getattr(self._angles, "last", None)
+        if last is not None and last[0] is positions and last[1] is inv_freq:
+            return last[2], last[3]
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        cos = angles.cos().to(self.dtype).float().contiguous()
+        sin = angles.sin().to(self.dtype).float().contiguous()
+        self._angles.last = (positions, inv_freq, cos, sin)
+        return cos, sin
+
+    def write_kv(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]; rows may be strided (a view into qkv)
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64; slots < 0 are skipped
+    ) -> None:
+        _require_rows(k, "k", self.dtype)
+        _require_rows(v, "v", self.dtype)
+        require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _require_tensor(cache, name, dims=4)
+            require(
+                cache.shape[2:] == k.shape[1:] and cache.dtype == self.dtype,
+                name,
+                cache,
+                f"[.., .., {k.shape[1]}, {k.shape[2]}] {self.dtype}",
+            )
+        require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
+        _require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+        require(slot_mapping.shape[0] == k.shape[0], "slot_mapping", slot_mapping, f"{k.shape[0]} entries")
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        if k.shape[0] and int(slot_mapping.max()) >= num_slots:
+            raise ValueError(f"slot_mapping: slots must be < {num_slots}, got {int(slot_mapping.max())}")
+        self._lib.duoserve_write_kv(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+        )
+
+
+def load_cpu_fused_ops(dtype: torch.dtype) -> CpuFusedOps:
+    """Build (or find in the cache) and load the ops for `dtype`; KernelBuildError if impossible."""
+    if dtype not in DTYPES:
+        raise KernelBuildError(f"no CPU fused ops for {dtype}; supported: {DTYPES}")
+    with _lock:
+        if dtype not in _loaded:
+            path = build("fused_ops.c", {"ELEM_BF16": int(dtype == torch.bfloat16)})
+            _loaded[dtype] = CpuFusedOps(load(path), dtype)
+        return _loaded[dtype]

@@ -1,0 +1,117 @@
+"""The CPU fused ops (kernels/cpu_fused.py) against the torch code of the unfused model path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention import write_kv
+from gpu_worker.model import RMSNorm, apply_rope, rope_cos_sin
+from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+# One unit in the last place of the element type (float32: a few, for the reduction order).
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 8e-3, "atol": 8e-3}}
+
+
+def ops_for(dtype: torch.dtype) -> CpuFusedOps:
+    return load_cpu_fused_ops(dtype)
+
+
+def torch_norm(weight: torch.Tensor, eps: float) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], eps, weight.dtype, torch.device("cpu"))
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 576), (7, 64), (300, 576)])
+def test_add_rms_norm_and_rms_norm_match_the_torch_path(dtype: torch.dtype, rows: int, cols: int) -> None:
+    gen = torch.Generator().manual_seed(rows + cols)
+    x = torch.randn(rows, cols, generator=gen).to(dtype)
+    residual = (3 * torch.randn(rows, cols, generator=gen)).to(dtype)
+    weight = torch.randn(cols, generator=gen).to(dtype)
+    norm = torch_norm(weight, 1e-5)
+    with torch.inference_mode():
+        expected_residual = residual + x
+        expected = norm(expected_residual)
+        ours_residual = residual.clone()
+        ours = ops_for(dtype).fused_add_rms_norm(x, ours_residual, weight, 1e-5)
+        assert torch.equal(ours_residual, expected_residual)  # the add rounds once, as torch's does
+        torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+        torch.testing.assert_close(ops_for(dtype).rms_norm(x, weight, 1e-5), norm(x), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 2048])
+def test_silu_and_mul_matches_the_torch_path(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (4 * torch.randn(rows, 2 * 96, generator=gen)).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-3]).to(dtype)  # saturation and zero
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops_for(dtype).silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 257])
+def test_rotary_rotates_strided_q_and_k_in_place_like_the_torch_path(dtype: torch.dtype, tokens: int) -> None:
+    heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 8192, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    ops = ops_for(dtype)
+    ops.rotary_embedding(q, k, positions, inv_freq)
+    tolerance = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else TOLERANCE[dtype]
+    torch.testing.assert_close(q, expected_q, **tolerance)
+    torch.testing.assert_close(k, expected_k, **tolerance)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+    # A second call with the same positions reuses its angles and rotates again, the same way.
+    ops.rotary_embedding(q, k, positions, inv_freq)
+    torch.testing.assert_close(q, apply_rope(expected_q, cos, sin), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_stores_rows_at_their_slots_and_skips_negative_ones(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 4 * 2 * 8, generator=gen).to(dtype)
+    k = qkv[:, :16].view(5, 2, 8)
+    v = qkv[:, 16:32].view(5, 2, 8)
+    slots = torch.tensor([3, 0, -1, 17, 9])
+    ours_k, ours_v = torch.zeros(3, 8, 2, 8, dtype=dtype), torch.zeros(3, 8, 2, 8, dtype=dtype)
+    ops_for(dtype).write_kv(k, v, ours_k, ours_v, slots)
+    keep = slots >= 0
+    expected_k, expected_v = torch.zeros_like(ours_k), torch.zeros_like(ours_v)
+    write_kv(expected_k, expected_v, k[keep], v[keep], slots[keep])
+    assert torch.equal(ours_k, expected_k) and torch.equal(ours_v, expected_v)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ops_for(dtype).write_kv(k, v, ours_k, ours_v, torch.tensor([0, 1, 2, 3, 24]))
+
+
+def test_launchers_reject_what_the_kernels_cannot_take() -> None:
+    ops = ops_for(torch.bfloat16)
+    with pytest.raises(ValueError, match="x"):
+        ops.rms_norm(
+            torch.zeros(2, 8), torch.zeros(8, dtype=torch.bfloat16), 1e-5
+        )  # float32 into bfloat16 ops
+    with pytest.raises(ValueError, match="residual"):
+        ops.fused_add_rms_norm(
+            torch.zeros(2, 8, dtype=torch.bfloat16),
+            torch.zeros(3, 8, dtype=torch.bfloat16),
+            torch.zeros(8, dtype=torch.bfloat16),
+            1e-5,
+        )
+    with pytest.raises(ValueError, match="gate_up"):
+        ops.silu_and_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ops.rotary_embedding(q, q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3))
+    with pytest.raises(ValueError, match="q"):
+        ops.rotary_embedding(q.transpose(1, 2), q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(4))
