@@ -183,7 +183,7 @@ class CpuPagedAttention(TorchPagedAttention):
         slots: torch.Tensor,
     ) -> None:
         if self._cpu_ops is None:
-            write_kv(k_cache, v_cache, k, v, slots)
+            super()._write_kv(k_cache, v_cache, k, v, slots)
         else:
             self._cpu_ops.write_kv(k, v, k_cache, v_cache, slots)
 

@@ -1,4 +1,4 @@
-"""What every Triton launcher shares: argument checks that name the argument, and the interpreter switch."""
+"""What every kernel launcher shares: argument checks that name the argument, and Triton's interpreter switch."""
 
 from __future__ import annotations
 
@@ -44,12 +44,28 @@ def require_tensor(
     dims: int,
     dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
     contiguous: bool = True,
+    cpu: bool = False,
 ) -> None:
-    """`tensor` has `dims` dimensions, one of `dtypes`, is contiguous (when asked) and on a kernel device."""
+    """`tensor` has `dims` dimensions, one of `dtypes`, is contiguous (when asked) and on a kernel
+    device: the CPU for the C kernels (`cpu`), else CUDA (or the CPU under TRITON_INTERPRET=1)."""
     require(tensor.dim() == dims, name, tensor, f"{dims} dimensions")
     require(tensor.dtype in dtypes, name, tensor, f"dtype in {tuple(str(d) for d in dtypes)}")
     require(not contiguous or tensor.is_contiguous(), name, tensor, "a contiguous tensor")
-    require(device_ok(tensor), name, tensor, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)")
+    if cpu:
+        require(tensor.device.type == "cpu", name, tensor, "a CPU tensor")
+    else:
+        require(device_ok(tensor), name, tensor, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)")
+
+
+def require_token_rows(tensor: torch.Tensor, name: str, cpu: bool = False) -> None:
+    """[T, heads, D] whose rows may be strided (views into qkv) but each row's heads and dims are packed."""
+    require_tensor(tensor, name, dims=3, contiguous=False, cpu=cpu)
+    require(
+        tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2],
+        name,
+        tensor,
+        "each token's heads and dims contiguous",
+    )
 
 
 def next_power_of_2(n: int) -> int:

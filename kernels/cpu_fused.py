@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from kernels._launch import require
+from kernels._launch import require, require_tensor, require_token_rows
 from kernels.cpu_build import KernelBuildError, build, load
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -34,30 +34,15 @@ _SIGNATURES = {
 
 
 def _require_tensor(
-    tensor: torch.Tensor,
-    name: str,
-    *,
-    dims: int,
-    dtypes: tuple[torch.dtype, ...] = DTYPES,
-    contiguous: bool = True,
+    tensor: torch.Tensor, name: str, *, dims: int, dtypes: tuple[torch.dtype, ...] = DTYPES
 ) -> None:
-    """`tensor` has `dims` dimensions, one of `dtypes`, is on the CPU and contiguous (when asked)."""
-    require(tensor.dim() == dims, name, tensor, f"{dims} dimensions")
-    require(tensor.dtype in dtypes, name, tensor, f"dtype in {tuple(str(d) for d in dtypes)}")
-    require(tensor.device.type == "cpu", name, tensor, "a CPU tensor")
-    require(not contiguous or tensor.is_contiguous(), name, tensor, "a contiguous tensor")
+    require_tensor(tensor, name, dims=dims, dtypes=dtypes, cpu=True)
 
 
 def _require_rows(tensor: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    """[T, heads, D] on the CPU whose rows may be strided (views into qkv), each row packed."""
-    _require_tensor(tensor, name, dims=3, contiguous=False)
-    require(
-        tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2],
-        name,
-        tensor,
-        "each token's heads and dims contiguous",
-    )
-    require(tensor.dtype == dtype and tensor.device.type == "cpu", name, tensor, f"{dtype} on cpu")
+    """[T, heads, D] CPU rows of `dtype`, which may be strided (views into qkv), each row packed."""
+    require_token_rows(tensor, name, cpu=True)
+    require(tensor.dtype == dtype, name, tensor, f"{dtype}")
 
 
 class CpuFusedOps:
@@ -81,11 +66,14 @@ class CpuFusedOps:
         if cols is not None:
             require(tensor.shape[1] == cols, name, tensor, f"{cols} columns")
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, C]
-        """RMSNorm(x) * weight, as the torch RMSNorm module computes it."""
+    def _require_norm(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         self._require_matrix(x, "x")
         _require_tensor(weight, "weight", dims=1)
         require(weight.shape[0] == x.shape[1] and weight.dtype == x.dtype, "weight", weight, "[C] like x")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, C]
+        """RMSNorm(x) * weight, as the torch RMSNorm module computes it."""
+        self._require_norm(x, weight)
         out = torch.empty_like(x)
         self._lib.duoserve_rms_norm(
             x.data_ptr(),
@@ -102,11 +90,9 @@ class CpuFusedOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:  # [T, C]
         """residual += x (in place); returns RMSNorm(residual) * weight."""
-        self._require_matrix(x, "x")
+        self._require_norm(x, weight)
         self._require_matrix(residual, "residual", x.shape[1])
         require(residual.shape == x.shape, "residual", residual, f"like x {tuple(x.shape)}")
-        _require_tensor(weight, "weight", dims=1)
-        require(weight.shape[0] == x.shape[1] and weight.dtype == x.dtype, "weight", weight, "[C] like x")
         out = torch.empty_like(x)
         self._lib.duoserve_add_rms_norm(
             x.data_ptr(),

@@ -16,19 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import next_power_of_2, require, require_tensor
-
-
-def _require_token_rows(tensor: torch.Tensor, name: str) -> None:
-    """[T, heads, D] whose rows may be strided (views into qkv) but each row's heads and dims are packed."""
-    require_tensor(tensor, name, dims=3, contiguous=False)
-    require(
-        tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2],
-        name,
-        tensor,
-        "each token's heads and dims contiguous",
-    )
-
+from kernels._launch import next_power_of_2, require, require_tensor, require_token_rows
 
 # ------------------------------------------------------------------------------------ KV write
 
@@ -65,7 +53,7 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     for name, tensor in (("k", k), ("v", v)):
-        _require_token_rows(tensor, name)
+        require_token_rows(tensor, name)
     require_tensor(k_cache, "k_cache", dims=4)
     require_tensor(v_cache, "v_cache", dims=4)
     require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
@@ -224,7 +212,7 @@ def rotary_embedding(
 ) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place; each token's heads and dims must be contiguous."""
     for name, tensor in (("q", q), ("k", k)):
-        _require_token_rows(tensor, name)
+        require_token_rows(tensor, name)
     require_tensor(positions, "positions", dims=1, dtypes=(torch.int64,))
     require_tensor(inv_freq, "inv_freq", dims=1, dtypes=(torch.float32,))
     head_dim = q.shape[2]
