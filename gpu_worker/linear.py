@@ -70,7 +70,7 @@ def make_linear(
     plain_bias = None if bias is None else bias.contiguous()
 
     def packed_linear(x: torch.Tensor) -> torch.Tensor:
-        if small is not None and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1:
+        if small is not None and 1 <= x.shape[0] <= MAX_ROWS and x.stride(-1) == 1:
             return small(x, weight, plain_bias)
         return linear_pointwise(x, packed_weight, bias, "none", [], "")
 

@@ -81,6 +81,8 @@ def test_a_linear_takes_the_kernel_for_small_batches_and_onednn_beyond(kernel: S
         torch.testing.assert_close(linear(x).float(), reference(x, weight, bias), rtol=1e-2, atol=2e-2)
     x = torch.randn(1, 576).bfloat16()
     assert torch.equal(linear(x), kernel(x, weight, bias))  # one row: the kernel's result exactly
+    # No rows (a step whose chunks all stop short of their prompt's end needs no logits).
+    assert linear(torch.empty(0, 576, dtype=torch.bfloat16)).shape == (0, 960)
 
 
 def test_smollm2_decodes_alike_with_and_without_the_kernel() -> None:
@@ -96,7 +98,11 @@ def test_smollm2_decodes_alike_with_and_without_the_kernel() -> None:
         model.load_weights(weights)
         kv = allocate_kv_cache(config, 4, 16, torch.bfloat16, torch.device("cpu"))
         prompt = list(range(100, 120))
-        steps = [ScheduledChunk(prompt, 0, [0, 1], True), ScheduledChunk([7], 20, [0, 1], True)]
+        steps = [  # a chunk that needs no logits, the rest of the prompt, then a decode
+            ScheduledChunk(prompt[:12], 0, [0, 1], False),
+            ScheduledChunk(prompt[12:], 12, [0, 1], True),
+            ScheduledChunk([7], 20, [0, 1], True),
+        ]
         logits.append([model(build_forward_batch([chunk], 16, "cpu"), kv) for chunk in steps])
     for with_kernel, without in zip(*logits, strict=True):
         assert with_kernel.argmax(-1).tolist() == without.argmax(-1).tolist()
