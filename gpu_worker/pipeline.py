@@ -60,13 +60,22 @@ class _Timings:
         self.nested_seconds = 0.0  # compute time of urgent steps run inside other steps, in total
 
     def fill(
-        self, result: worker_pb2.StepResult, item: _Staged, had_work: bool, started: float, inner: float
+        self,
+        result: worker_pb2.StepResult,
+        item: _Staged,
+        had_work: bool,
+        started: float,
+        inner: float,
+        nested: bool,
     ) -> None:
-        """`inner`: seconds urgent steps took inside this one (not this step's compute)."""
+        """`inner`: seconds urgent steps took inside this one (not this step's compute). `nested`:
+        this one ran inside another step, staged while that computed: no wait, nothing exposed."""
         staged = item.staged
         assert staged is not None
         result.staging_seconds = staged.staging_seconds
         result.compute_seconds = time.perf_counter() - started - inner
+        if nested:
+            return
         # The compute thread was free from ready_at; the step arrived at arrived_at and was
         # staged at staged_at. Idle before arrival is waiting for the scheduler; idle after it
         # is staging the compute thread could not hide.
@@ -182,11 +191,7 @@ class StepPipeline:
             if not nested:
                 timings.ready_at = time.perf_counter()
             return
-        if nested:
-            result.staging_seconds = item.staged.staging_seconds
-            result.compute_seconds = time.perf_counter() - started
-        else:
-            timings.fill(result, item, had_work, started, timings.nested_seconds - nested_before)
+        timings.fill(result, item, had_work, started, timings.nested_seconds - nested_before, nested)
         if span is not None:
             span.set_attributes(
                 {

@@ -147,16 +147,9 @@ class BatchPlanner:
         """
         plan = StepPlan()
         budget = self._plan_running(plan, self.limits.max_batched_tokens, self._urgent)
-        scheduled = {s.request.seq_id for s in plan.seqs}
         now = self.clock()
         self.waiting.sort(key=lambda r: (self._rank(r, now), r.arrival_time, r.seq_id))
-        for request in [r for r in self.waiting if self._urgent(r)]:
-            if budget <= 0 or len(plan.seqs) >= self.limits.max_num_seqs:
-                break
-            if not self._admit(request, plan, budget, scheduled):
-                break
-            budget -= plan.seqs[-1].num_new_tokens
-            scheduled.add(request.seq_id)
+        self._plan_waiting(plan, budget, now, hold_back=False, include=self._urgent)
         return plan if plan.seqs else None
 
     @staticmethod
@@ -266,14 +259,23 @@ class BatchPlanner:
 
     # ------------------------------------------------------------------ waiting
 
-    def _plan_waiting(self, plan: StepPlan, budget: int, now: float, hold_back: bool) -> int:
-        """Admit from the (sorted) queue within `budget`; returns the budget left."""
+    def _plan_waiting(
+        self,
+        plan: StepPlan,
+        budget: int,
+        now: float,
+        hold_back: bool,
+        include: Callable[[Request], bool] = lambda r: True,
+    ) -> int:
+        """Admit from the (sorted) queue, those `include` takes, within `budget`; returns the budget left."""
         window = self._window() if hold_back else 0.0
         scheduled = {s.request.seq_id for s in plan.seqs}
         if plan.preempted:  # requeued by class and arrival, usually ahead of newer arrivals
             self.waiting.sort(key=lambda r: (self._rank(r, now), r.arrival_time, r.seq_id))
-        while self.waiting and budget > 0 and len(plan.seqs) < self.limits.max_num_seqs:
-            request = self.waiting[0]
+        while budget > 0 and len(plan.seqs) < self.limits.max_num_seqs:
+            request = next((r for r in self.waiting if include(r)), None)
+            if request is None:
+                break
             if window > 0 and request.num_preemptions == 0 and now - request.arrival_time < window:
                 break  # its prefill waits a little for company
             if not self._admit(request, plan, budget, scheduled):
