@@ -12,9 +12,6 @@
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__)
 #error "the small-batch linear kernel needs AVX-512 BF16"
 #endif
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 4
-#endif
 #ifndef MAX_ROWS
 #error "build with -DMAX_ROWS=.."
 #endif
