@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.config import ConfigError, check_flag, check_tracing_flags
 from scheduler.curve import faces_network
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -11,7 +12,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
-class WorkerConfigError(ValueError):
+class WorkerConfigError(ConfigError):
     """A worker flag has a bad value; the message names the flag and the allowed range."""
 
 
@@ -49,13 +50,7 @@ class WorkerConfig:
             self.kv_cache_memory,
             "a fraction of free device memory in [0, 0.95] (0 = the device's default)",
         )
-        _check(
-            self.otlp_protocol in ("", "grpc", "http/protobuf"),
-            "--otlp-protocol",
-            self.otlp_protocol,
-            "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
-        )
-        _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
+        check_tracing_flags(self.otlp_protocol, self.trace_sample_ratio, WorkerConfigError)
         _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
         _check(
@@ -80,5 +75,4 @@ class WorkerConfig:
 
 
 def _check(ok: bool, flag: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise WorkerConfigError(f"{flag}={value!r} is invalid: allowed {allowed}")
+    check_flag(ok, flag, value, allowed, WorkerConfigError)

@@ -52,68 +52,64 @@ class SchedulerConfig:
     trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(1 <= self.port <= 65535, "--port", self.port, "1..65535")
-        _check(
+        check_flag(1 <= self.port <= 65535, "--port", self.port, "1..65535")
+        check_flag(
             0 <= self.metrics_port <= 65535,
             "--metrics-port",
             self.metrics_port,
             "0..65535 (0 = any free port)",
         )
-        _check(
+        check_flag(
             self.num_workers == 1,
             "--num-workers",
             self.num_workers,
             "1 (data-parallel groups are not built yet)",
         )
-        _check(self.block_size in VALID_BLOCK_SIZES, "--block-size", self.block_size, "one of 8, 16, 32")
-        _check(self.num_kv_blocks >= 0, "--num-kv-blocks", self.num_kv_blocks, ">= 0 (0 = as many as fit)")
-        _check(self.max_batched_tokens >= 1, "--max-batched-tokens", self.max_batched_tokens, ">= 1")
-        _check(self.max_num_seqs >= 1, "--max-num-seqs", self.max_num_seqs, ">= 1")
-        _check(self.prefill_chunk >= 1, "--prefill-chunk", self.prefill_chunk, ">= 1")
-        _check(
+        check_flag(self.block_size in VALID_BLOCK_SIZES, "--block-size", self.block_size, "one of 8, 16, 32")
+        check_flag(
+            self.num_kv_blocks >= 0, "--num-kv-blocks", self.num_kv_blocks, ">= 0 (0 = as many as fit)"
+        )
+        check_flag(self.max_batched_tokens >= 1, "--max-batched-tokens", self.max_batched_tokens, ">= 1")
+        check_flag(self.max_num_seqs >= 1, "--max-num-seqs", self.max_num_seqs, ">= 1")
+        check_flag(self.prefill_chunk >= 1, "--prefill-chunk", self.prefill_chunk, ">= 1")
+        check_flag(
             1 <= self.max_inflight <= MAX_INFLIGHT_LIMIT,
             "--max-inflight",
             self.max_inflight,
             f"1..{MAX_INFLIGHT_LIMIT}",
         )
-        _check(self.min_lane_seqs >= 0, "--min-lane-seqs", self.min_lane_seqs, ">= 0 (0 = by device)")
-        _check(self.max_queued_requests >= 1, "--max-queued-requests", self.max_queued_requests, ">= 1")
-        _check(self.max_queued_tokens >= 1, "--max-queued-tokens", self.max_queued_tokens, ">= 1")
-        _check(
+        check_flag(self.min_lane_seqs >= 0, "--min-lane-seqs", self.min_lane_seqs, ">= 0 (0 = by device)")
+        check_flag(self.max_queued_requests >= 1, "--max-queued-requests", self.max_queued_requests, ">= 1")
+        check_flag(self.max_queued_tokens >= 1, "--max-queued-tokens", self.max_queued_tokens, ">= 1")
+        check_flag(
             0 <= self.prefill_window_ms <= 10_000, "--prefill-window-ms", self.prefill_window_ms, "0..10000"
         )
-        _check(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
-        _check(
-            self.otlp_protocol in ("", "grpc", "http/protobuf"),
-            "--otlp-protocol",
-            self.otlp_protocol,
-            "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
-        )
-        _check(0.0 <= self.trace_sample_ratio <= 1.0, "--trace-sample-ratio", self.trace_sample_ratio, "0..1")
-        _check(self.worker_timeout > 0, "--worker-timeout", self.worker_timeout, "> 0 seconds")
-        _check(self.step_timeout > 0, "--step-timeout", self.step_timeout, "> 0 seconds")
-        _check(self.max_worker_restarts >= 0, "--max-worker-restarts", self.max_worker_restarts, ">= 0")
-        _check(
+        check_flag(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
+        check_tracing_flags(self.otlp_protocol, self.trace_sample_ratio)
+        check_flag(self.worker_timeout > 0, "--worker-timeout", self.worker_timeout, "> 0 seconds")
+        check_flag(self.step_timeout > 0, "--step-timeout", self.step_timeout, "> 0 seconds")
+        check_flag(self.max_worker_restarts >= 0, "--max-worker-restarts", self.max_worker_restarts, ">= 0")
+        check_flag(
             self.worker_restart_timeout > 0,
             "--worker-restart-timeout",
             self.worker_restart_timeout,
             "> 0 seconds",
         )
-        _check(self.drain_timeout >= 0, "--drain-timeout", self.drain_timeout, ">= 0")
-        _check(
+        check_flag(self.drain_timeout >= 0, "--drain-timeout", self.drain_timeout, ">= 0")
+        check_flag(
             bool(self.zmq_curve_secret) == bool(self.zmq_curve_authorized),
             "--zmq-curve-secret",
             self.zmq_curve_secret,
             "given together with --zmq-curve-authorized",
         )
-        _check(
+        check_flag(
             not faces_network(self.worker_address) or bool(self.zmq_curve_secret),
             "--worker-address",
             self.worker_address,
             "ipc://, tcp:// on loopback, or a network-facing tcp:// with CURVE keys "
             "(--zmq-curve-secret, --zmq-curve-authorized; `duoserve keys DIR` makes them)",
         )
-        _check(
+        check_flag(
             self.worker_address.startswith(("ipc://", "tcp://")),
             "--worker-address",
             self.worker_address,
@@ -143,6 +139,23 @@ class SchedulerConfig:
         return min(self.prefill_chunk, self.max_batched_tokens)
 
 
-def _check(ok: bool, flag: str, value: object, allowed: str) -> None:
+def check_flag(
+    ok: bool, flag: str, value: object, allowed: str, error: type[ConfigError] = ConfigError
+) -> None:
+    """Raise `error` naming the flag, its value and what is allowed, unless `ok`."""
     if not ok:
-        raise ConfigError(f"{flag}={value!r} is invalid: allowed {allowed}")
+        raise error(f"{flag}={value!r} is invalid: allowed {allowed}")
+
+
+def check_tracing_flags(
+    otlp_protocol: str, trace_sample_ratio: float, error: type[ConfigError] = ConfigError
+) -> None:
+    """The tracing flags every process takes (scheduler and worker alike)."""
+    check_flag(
+        otlp_protocol in ("", "grpc", "http/protobuf"),
+        "--otlp-protocol",
+        otlp_protocol,
+        "grpc, http/protobuf (empty: from $OTEL_EXPORTER_OTLP_PROTOCOL)",
+        error,
+    )
+    check_flag(0.0 <= trace_sample_ratio <= 1.0, "--trace-sample-ratio", trace_sample_ratio, "0..1", error)
