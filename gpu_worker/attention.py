@@ -34,6 +34,15 @@ class FusedOps(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     ) -> None: ...
 
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -89,7 +98,10 @@ class TorchPagedAttention:
         v: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        write_kv(k_cache, v_cache, k, v, slots)
+        if self.fused_ops is None:
+            write_kv(k_cache, v_cache, k, v, slots)
+        else:
+            self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
@@ -157,7 +169,7 @@ class TorchPagedAttention:
 class CpuPagedAttention(TorchPagedAttention):
     """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py);
     prefill chunks take the torch path. With `fused_ops` (kernels/cpu_fused.py) the KV write is one C
-    call too, and the model runs its fused forward."""
+    call too (see TorchPagedAttention._write_kv), and the model runs its fused forward."""
 
     name = "cpu"
 
@@ -172,20 +184,6 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
         self.fused_ops = fused_ops
-        self._cpu_ops = fused_ops
-
-    def _write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        if self._cpu_ops is None:
-            super()._write_kv(k_cache, v_cache, k, v, slots)
-        else:
-            self._cpu_ops.write_kv(k, v, k_cache, v_cache, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
