@@ -25,6 +25,12 @@ def dot_in_fp32() -> bool:
     return interpreting()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact ("ieee") for float32 inputs, which would otherwise round
+    to tf32 on the GPU's tensor cores; 16-bit inputs are exact either way."""
+    return "ieee" if dtype == torch.float32 or dot_in_fp32() else "tf32"
+
+
 def device_ok(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" or (interpreting() and tensor.device.type == "cpu")
 

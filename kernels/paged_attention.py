@@ -8,15 +8,19 @@ so both kernels read every key, cached prefix and new tokens alike, from the cac
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels._launch import dot_in_fp32, next_power_of_2, require, require_tensor
+from kernels._launch import dot_in_fp32, dot_precision, next_power_of_2, require, require_tensor
 from kernels.cpu_decode import gather_context
 from kernels.cpu_decode import paged_decode_attention_reference as cpu_decode_reference
 
 # ------------------------------------------------------------------------------------ decode
+
+DECODE_TILE = 64  # keys per iteration of the decode kernel (several blocks gathered at once)
 
 
 @triton.jit
@@ -31,7 +35,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [N, H, S, D] float32
     scale,
     max_blocks,
-    blocks_per_split,
+    tokens_per_split,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -39,14 +43,17 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,  # keys per iteration, gathered from TILE / BLOCK_SIZE blocks
     NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,  # the group's query heads times the keys on the tensor cores
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     groups = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    tokens = tl.arange(0, BLOCK_SIZE)
     group_ok = groups < GROUP
     dim_ok = dims < HEAD_DIM
     heads = kv_head * GROUP + groups  # [G]
@@ -55,31 +62,42 @@ def _decode_split_kernel(
         q_ptr + (seq * NUM_HEADS + heads)[:, None] * HEAD_DIM + dims[None, :],
         mask=group_ok[:, None] & dim_ok[None, :],
         other=0.0,
-    ).to(tl.float32)  # [G, D]
+    )  # [G, D]; padding rows are zero and never stored
+    if DOT_FP32 or not USE_DOT:
+        q = q.to(tl.float32)
 
     context = tl.load(context_lens_ptr + seq)
-    num_blocks = tl.cdiv(context, BLOCK_SIZE)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
+    first = split * tokens_per_split
+    last = tl.minimum(first + tokens_per_split, context)
 
     running_max = tl.full([GROUP_PAD], -float("inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for index in range(first, last):
-        block = tl.load(block_tables_ptr + seq * max_blocks + index).to(tl.int64)
-        positions = index * BLOCK_SIZE + tokens  # [BS]
-        valid = positions < context
-        offsets = ((block * BLOCK_SIZE + tokens) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+    for start in range(first, last, TILE):
+        positions = start + tl.arange(0, TILE)  # [TILE]
+        valid = positions < last
+        blocks = tl.load(block_tables_ptr + seq * max_blocks + positions // BLOCK_SIZE, mask=valid, other=0)
+        slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+        offsets = (slots * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)  # [BS, D]
-        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
+        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)  # [TILE, D]
+        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        if DOT_FP32 or not USE_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE]
+        else:
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
         scores = tl.where(valid[None, :], scores, -float("inf"))
-        block_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        block_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the tile has a valid key
         rescale = tl.exp(running_max - block_max)
         probs = tl.exp(scores - block_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        else:
+            acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
         running_max = block_max
 
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [G]
@@ -127,6 +145,11 @@ def _decode_reduce_kernel(
     )
 
 
+@functools.cache
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def decode_splits(
     max_context: int, block_size: int, num_seqs: int, num_kv_heads: int, target_programs: int
 ) -> int:
@@ -171,10 +194,11 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        programs = 4 * _multiprocessors(q.device.index) if q.is_cuda else 8
         num_splits = decode_splits(max_context, block_size, num_seqs, num_kv_heads, programs)
     blocks = -(-max_context // block_size)
     blocks_per_split = -(-blocks // num_splits)
+    use_dot = head_dim >= 16  # tl.dot needs 16 along every side: the group is padded to 16 rows
     part_max = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -190,15 +214,19 @@ def paged_decode_attention(
         part_out,
         head_dim**-0.5,
         block_tables.shape[1],
-        blocks_per_split,
+        blocks_per_split * block_size,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
-        GROUP_PAD=max(2, next_power_of_2(group)),
+        GROUP_PAD=max(16 if use_dot else 2, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
+        TILE=max(block_size, DECODE_TILE),
         NUM_SPLITS=num_splits,
+        USE_DOT=use_dot,
+        DOT_FP32=dot_in_fp32(),
+        PRECISION=dot_precision(q.dtype),
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_max,
@@ -241,6 +269,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -281,7 +310,7 @@ def _prefill_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [M, N]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_ok[None, :]
         scores = tl.where(visible, scores, -float("inf"))
         block_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -290,7 +319,7 @@ def _prefill_kernel(
         rescale = tl.exp(running_max - block_max)
         probs = tl.exp(scores - block_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v).to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         running_max = block_max
     out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
@@ -357,6 +386,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_FP32=dot_in_fp32(),
+        PRECISION=dot_precision(q.dtype),
     )
     return out
 

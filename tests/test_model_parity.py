@@ -210,7 +210,10 @@ def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backen
     config, weights = load_model(tmp_path)
     assert config.attention_bias == hf_config.attention_bias
     assert (config.rope_scaling is not None) == ("rope_scaling" in TINY_VARIANTS[block_size])
-    model = LlamaModel(config, torch.float32, "cpu")
+    # Triton runs on the GPU where there is one (make gpu-check), else interpreted on the CPU.
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
+    model = LlamaModel(config, torch.float32, device)
     model.load_weights(weights)
     use_backend(model, config, backend, block_size)
 
