@@ -7,11 +7,16 @@ back in the order of the caller's chunks (those with `needs_logits`), via `logit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+Upload = Callable[[np.ndarray, torch.dtype], torch.Tensor]
+"""Moves one host array to the step's device as `dtype` (default: a plain copy; the CUDA SBO
+pipeline passes gpu_worker.streams.DeviceUpload, which copies from pinned memory on its data stream)."""
 
 
 @dataclass(slots=True)
@@ -78,9 +83,14 @@ class ForwardBatch:
 
 
 def build_forward_batch(
-    chunks: Sequence[ScheduledChunk], block_size: int, device: torch.device | str
+    chunks: Sequence[ScheduledChunk],
+    block_size: int,
+    device: torch.device | str,
+    upload: Upload | None = None,
 ) -> ForwardBatch:
     """Flatten `chunks` (any order, prefill and decode mixed) into one step's tensors on `device`."""
+    if upload is None:
+        upload = functools.partial(_to_device, device=device)
     assert chunks, "a forward batch needs at least one chunk"
     assert block_size > 0, f"block_size must be positive, got {block_size}"
     num_seqs = len(chunks)
@@ -120,14 +130,14 @@ def build_forward_batch(
     logits_rows = query_start[1:][rank[wants]] - 1  # [S] last token of each chunk needing logits
 
     def put(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return _to_device(array, device, dtype)
+        return upload(array, dtype)
 
     decode = None
     if num_decodes:
-        decode = _decode_attention(tables[:num_decodes], ctx_o[:num_decodes], block_size, device)
+        decode = _decode_attention(tables[:num_decodes], ctx_o[:num_decodes], block_size, upload)
     prefills = tuple(
         _prefill_attention(
-            int(query_start[n]), int(lens_o[n]), int(starts_o[n]), tables[n], block_size, device
+            int(query_start[n]), int(lens_o[n]), int(starts_o[n]), tables[n], block_size, upload
         )
         for n in range(num_decodes, num_seqs)
     )
@@ -146,7 +156,7 @@ def build_forward_batch(
     )
 
 
-def _to_device(array: np.ndarray, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
@@ -157,7 +167,7 @@ def _slots_of_positions(table: np.ndarray, positions: np.ndarray, block_size: in
 
 
 def _decode_attention(
-    tables: np.ndarray, context_lens: np.ndarray, block_size: int, device: torch.device | str
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int, upload: Upload
 ) -> DecodeAttention:
     num = len(context_lens)
     num_blocks = -(-int(context_lens.max()) // block_size)
@@ -166,10 +176,10 @@ def _decode_attention(
     return DecodeAttention(
         num_seqs=num,
         max_context=max_context,
-        block_tables=_to_device(tables[:, :num_blocks], device, torch.int32),
-        context_lens=_to_device(context_lens, device, torch.int32),
-        key_blocks=_to_device(tables[:, :num_blocks].reshape(-1), device, torch.int64),
-        key_mask=_to_device(key_mask.reshape(num, 1, 1, max_context), device, torch.bool),
+        block_tables=upload(tables[:, :num_blocks], torch.int32),
+        context_lens=upload(context_lens, torch.int32),
+        key_blocks=upload(tables[:, :num_blocks].reshape(-1), torch.int64),
+        key_mask=upload(key_mask.reshape(num, 1, 1, max_context), torch.bool),
     )
 
 
@@ -179,7 +189,7 @@ def _prefill_attention(
     start: int,
     table: np.ndarray,
     block_size: int,
-    device: torch.device | str,
+    upload: Upload,
 ) -> PrefillAttention:
     if start == 0:
         return PrefillAttention(token_start, num_tokens, 0, key_slots=None, mask=None)
@@ -190,6 +200,6 @@ def _prefill_attention(
         token_start,
         num_tokens,
         start,
-        key_slots=_to_device(_slots_of_positions(table, key_pos, block_size), device, torch.int64),
-        mask=_to_device(mask, device, torch.bool),
+        key_slots=upload(_slots_of_positions(table, key_pos, block_size), torch.int64),
+        mask=upload(mask, torch.bool),
     )

@@ -27,6 +27,10 @@ class WorkerConfig:
     kv_cache_memory: float = 0.0
     threads: int = 0
     sbo: bool = True
+    sbo_depth: int = 2
+    compute_streams: int = 1
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True
     seed: int = 0
     zmq_curve_worker_secret: str = ""
@@ -52,6 +56,14 @@ class WorkerConfig:
         )
         check_tracing_flags(self.otlp_protocol, self.trace_sample_ratio, WorkerConfigError)
         _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
+        _check(1 <= self.sbo_depth <= 4, "--sbo-depth", self.sbo_depth, "1 to 4")
+        _check(1 <= self.compute_streams <= 4, "--compute-streams", self.compute_streams, "1 to 4")
+        _check(
+            1 <= self.cuda_graph_max_batch <= 1024,
+            "--cuda-graph-max-batch",
+            self.cuda_graph_max_batch,
+            "1 to 1024",
+        )
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
         _check(
             bool(self.zmq_curve_worker_secret) == bool(self.zmq_curve_server_key),

@@ -1,10 +1,13 @@
-"""The SBO pipeline on the CPU: stage step k+1 on a thread while step k computes.
+"""The SBO pipeline: stage step k+1 on a thread while step k computes.
 
 The staging thread owns the ZeroMQ socket: it receives Step messages, decodes
-them and builds their input tensors (ModelRunner.stage), and sends results the
-compute thread hands back over an inproc socket. The compute thread only runs
-forward passes and sampling. With SBO off the same work runs in one thread,
-one step after the other, so the two are compared A/B.
+them and builds their input tensors (ModelRunner.stage; on a GPU that includes
+the copies to the device, on the data stream), at most `sbo_depth` steps ahead,
+and sends the results handed back over an inproc socket. The compute thread only
+runs forward passes and sampling. On a GPU it only launches them: a third thread
+waits for each step's tokens and makes its reply, so the compute thread launches
+the next step (the other DBO lane's) while this one runs. With SBO off the same
+work runs in one thread, one step after the other, so the two are compared A/B.
 
 Per step the worker reports staging time and how much of it was exposed (the
 compute thread stood waiting for it), and the time it waited for the scheduler
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from scheduler import tracing
 log = logging.getLogger(__name__)
 
 _RESULTS_ADDRESS = "inproc://duoserve-results"
+_DEPTH_RECHECK_MS = 1  # with --sbo-depth steps staged, look again this often for room
 
 
 @dataclass(slots=True)
@@ -105,6 +110,10 @@ class _StepQueue:
                 self._ready.wait()
             return (self._urgent or self._steps).popleft()
 
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._steps)
+
     def take_urgent(self) -> _Staged | None:
         """An urgent step waiting to run, without blocking."""
         with self._ready:
@@ -137,10 +146,13 @@ def _step_span(staged: StagedStep) -> Span:
 class StepPipeline:
     """Receives, stages, executes and answers steps until the scheduler says Shutdown."""
 
-    def __init__(self, socket: zmq.Socket, runner: ModelRunner, sbo: bool) -> None:
+    def __init__(self, socket: zmq.Socket, runner: ModelRunner, sbo: bool, sbo_depth: int = 2) -> None:
+        """`sbo_depth`: steps the staging thread may hold staged ahead of the compute thread."""
+        assert sbo_depth >= 1, f"sbo_depth {sbo_depth} < 1"
         self.socket = socket
         self.runner = runner
         self.sbo = sbo
+        self.sbo_depth = sbo_depth
 
     def run(self) -> None:
         if self.sbo:
@@ -169,40 +181,56 @@ class StepPipeline:
         self,
         item: _Staged,
         timings: _Timings,
-        send: Callable[[bytes], None],
+        deliver: Callable[[Callable[[], bytes]], None],
         yield_point: Callable[[], None] | None = None,
         nested: bool = False,
     ) -> None:
-        """Run one step and send its result. `nested`: run inside another step (an urgent one):
-        the compute thread was busy, so it neither waited for it nor becomes free after it."""
+        """Run one step and hand `deliver` the function that makes its reply. That function waits
+        for the step's tokens (on a GPU with SBO they are still being copied back when execute
+        returns) and runs on whichever thread sends. `nested`: run inside another step (an urgent
+        one): the compute thread was busy, so it neither waited for it nor becomes free after it."""
         assert item.staged is not None
+        staged = item.staged
         had_work = self.runner.has_work_in_flight
         started = time.perf_counter()
         nested_before = timings.nested_seconds
-        span = _step_span(item.staged) if tracing.enabled() and item.staged.traceparents else None
-        try:
-            result = self.runner.execute(item.staged, yield_point)
-        except Exception as err:
-            log.exception("step %d failed", item.staged.step_id)
+        span = _step_span(staged) if tracing.enabled() and staged.traceparents else None
+
+        def failed(err: Exception) -> bytes:
+            log.error("step %d failed: %s", staged.step_id, err, exc_info=err)
             if span is not None:
                 span.record_exception(err)
                 span.end()
-            send(_error_message(item.staged.step_id, f"step failed: {err}").SerializeToString())
+            return _error_message(staged.step_id, f"step failed: {err}").SerializeToString()
+
+        try:
+            pending = self.runner.execute(staged, yield_point)
+        except Exception as err:
+            message = failed(err)
+            deliver(lambda: message)
             if not nested:
                 timings.ready_at = time.perf_counter()
             return
-        timings.fill(result, item, had_work, started, timings.nested_seconds - nested_before, nested)
-        if span is not None:
-            span.set_attributes(
-                {
-                    "duoserve.step.staging_seconds": result.staging_seconds,
-                    "duoserve.step.exposed_staging_seconds": result.exposed_staging_seconds,
-                    "duoserve.step.compute_seconds": result.compute_seconds,
-                    "duoserve.step.wait_seconds": result.wait_seconds,
-                }
-            )
-            span.end()
-        send(worker_pb2.WorkerMessage(result=result).SerializeToString())
+        timings.fill(pending.result, item, had_work, started, timings.nested_seconds - nested_before, nested)
+
+        def reply() -> bytes:
+            try:
+                result = self.runner.finish(pending)
+            except Exception as err:
+                return failed(err)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "duoserve.step.staging_seconds": result.staging_seconds,
+                        "duoserve.step.exposed_staging_seconds": result.exposed_staging_seconds,
+                        "duoserve.step.compute_seconds": result.compute_seconds,
+                        "duoserve.step.wait_seconds": result.wait_seconds,
+                    }
+                )
+                span.end()
+            return worker_pb2.WorkerMessage(result=result).SerializeToString()
+
+        deliver(reply)
         if not nested:
             timings.ready_at = time.perf_counter()
 
@@ -217,7 +245,7 @@ class StepPipeline:
                     self.socket.send(_error_message(item.step_id, item.error).SerializeToString())
                     continue
                 return
-            self._execute(item, timings, self.socket.send)
+            self._execute(item, timings, lambda reply: self.socket.send(reply()))
 
     # ------------------------------------------------------------------ SBO on
 
@@ -225,20 +253,41 @@ class StepPipeline:
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         results_in = context.socket(zmq.PULL)
         results_in.bind(_RESULTS_ADDRESS)
-        results_out = context.socket(zmq.PUSH)
-        results_out.connect(_RESULTS_ADDRESS)
         staged_queue = _StepQueue()
         stager = threading.Thread(
             target=self._staging_loop, args=(results_in, staged_queue), name="duoserve-staging", daemon=True
         )
         stager.start()
         timings = _Timings()
+        # On a GPU with SBO a reply waits for its step's tokens, so a thread of its own makes and
+        # sends the replies, in order: the compute thread goes on launching and the staging thread
+        # goes on staging. On the CPU the step is done when execute returns, and the compute
+        # thread sends its reply itself.
+        replies: queue.SimpleQueue[Callable[[], bytes] | None] | None = None
+        finisher = None
+        results_out = None
+        if self.runner.streams is not None:
+            replies = queue.SimpleQueue()
+            finisher = threading.Thread(
+                target=self._finishing_loop, args=(context, replies), name="duoserve-replies", daemon=True
+            )
+            finisher.start()
+        else:
+            results_out = context.socket(zmq.PUSH)
+            results_out.connect(_RESULTS_ADDRESS)
+
+        def deliver(reply: Callable[[], bytes]) -> None:
+            if replies is not None:
+                replies.put(reply)
+            else:
+                assert results_out is not None
+                results_out.send(reply())
 
         def run_urgent_steps() -> None:
             """Between two blocks of the step in progress: run the urgent steps that arrived."""
             while (urgent := staged_queue.take_urgent()) is not None:
                 started = time.perf_counter()
-                self._execute(urgent, timings, results_out.send, nested=True)
+                self._execute(urgent, timings, deliver, nested=True)
                 timings.nested_seconds += time.perf_counter() - started
 
         try:
@@ -246,23 +295,49 @@ class StepPipeline:
                 item = staged_queue.get()
                 if item.staged is None:
                     if item.error:
-                        results_out.send(_error_message(item.step_id, item.error).SerializeToString())
+                        message = _error_message(item.step_id, item.error).SerializeToString()
+                        deliver(lambda message=message: message)  # type: ignore[misc]
                         continue
                     return
-                self._execute(item, timings, results_out.send, run_urgent_steps)
+                self._execute(item, timings, deliver, run_urgent_steps)
         finally:
-            results_out.send(b"")  # wakes the staging thread so it exits
+            # b"" after the last reply wakes the staging thread so it exits.
+            if replies is not None and finisher is not None:
+                replies.put(None)
+                finisher.join(timeout=30)
+            if results_out is not None:
+                results_out.send(b"")
+                results_out.close(linger=0)
             stager.join(timeout=5)
+
+    def _finishing_loop(
+        self, context: zmq.Context, replies: queue.SimpleQueue[Callable[[], bytes] | None]
+    ) -> None:
+        """Makes each reply (waiting for its step's tokens) and passes it to the staging thread."""
+        results_out = context.socket(zmq.PUSH)
+        results_out.connect(_RESULTS_ADDRESS)
+        try:
+            while (reply := replies.get()) is not None:
+                results_out.send(reply())
+        finally:
+            results_out.send(b"")
             results_out.close(linger=0)
 
     def _staging_loop(self, results_in: zmq.Socket, staged_queue: _StepQueue) -> None:
+        """Receives and stages steps, at most `sbo_depth` ahead of the compute thread, and sends replies."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(results_in, zmq.POLLIN)
+        receiving = True
         shutting_down = False
         try:
             while True:
-                events = dict(poller.poll())
+                # Ordinary steps only count towards the depth; while it is full nothing is received.
+                room = len(staged_queue) < self.sbo_depth
+                if room != receiving and not shutting_down:
+                    poller.modify(self.socket, zmq.POLLIN if room else 0)
+                    receiving = room
+                events = dict(poller.poll(None if room else _DEPTH_RECHECK_MS))
                 if results_in in events:
                     payload = results_in.recv()
                     if not payload:

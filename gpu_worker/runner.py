@@ -1,25 +1,35 @@
 """ModelRunner: the worker's sequence state, and one step = stage, then execute.
 
 `stage` turns a Step message into device inputs (it may run on the staging
-thread while the previous step computes); `execute` runs the forward pass and
-the sampler and appends the sampled tokens. The two never touch the same
-sequence concurrently: the scheduler puts a sequence in at most one in-flight
-batch, and it only schedules a sequence again after its previous result.
+thread while the previous step computes); `execute` launches the forward pass and
+the sampler; `finish` waits for the sampled tokens, appends them and builds the
+StepResult. On the CPU, or on a GPU without SBO, `execute` has done everything by
+the time it returns. On a GPU with SBO (`streams`), execute returns once the work
+is queued on the lane's compute stream and the tokens are on their way back to
+pinned memory, so the next step launches without waiting; whoever sends the result
+calls `finish`. Decode-only steps replay a CUDA graph when `graphs` has one.
+
+Stage, execute and finish never touch the same sequence concurrently: the scheduler
+puts a sequence in at most one in-flight batch, and it only schedules a sequence
+again after its previous result, which is sent only after `finish`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
+from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import LlamaModel
-from gpu_worker.sampler import Sampler, SamplingParams, SamplingRow
+from gpu_worker.sampler import Sampler, SamplerOutput, SamplingParams, SamplingRow
+from gpu_worker.streams import CudaStreams, DeviceUpload
 from protos import worker_pb2
 
 
@@ -47,6 +57,19 @@ class StagedStep:
     staged_at: float = field(default_factory=time.perf_counter)
     traceparents: dict[int, str] = field(default_factory=dict)  # traced sequences' spans (see worker.proto)
     urgent: bool = False  # runs at the next layer boundary of the step in progress (see worker.proto)
+    ready: torch.cuda.Event | None = None  # CUDA SBO: the input copies have landed
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """An executed step whose tokens may still be on their way back (see ModelRunner.finish)."""
+
+    result: worker_pb2.StepResult
+    sampled: list[SeqState] = field(default_factory=list)
+    output: SamplerOutput | None = None  # sampled on the host already
+    tokens: torch.Tensor | None = None  # pinned host tensor the sampled tokens are being copied into
+    started: torch.cuda.Event | None = None  # on the compute stream, before the step's work
+    done: torch.cuda.Event | None = None  # after the step's work and the copy back
 
 
 def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
@@ -71,14 +94,30 @@ class ModelRunner:
     """Runs steps on one model and KV cache."""
 
     def __init__(
-        self, model: LlamaModel, kv_cache: KVCache, block_size: int, device: torch.device, seed: int = 0
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+        streams: CudaStreams | None = None,
+        graphs: Sequence[DecodeGraphs] = (),
     ) -> None:
+        """`streams`: CUDA SBO (inputs copied on a data stream, lanes on compute streams, tokens
+        copied back asynchronously). `graphs`: one set of decode graphs per compute stream (one
+        when there are no `streams`); graphs share their static inputs, so no two streams may
+        replay the same set."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed=seed)
         self.seqs: dict[int, SeqState] = {}
+        self.streams = streams
+        self.graphs = list(graphs)
+        assert not self.graphs or len(self.graphs) == (len(streams.compute) if streams else 1), (
+            "one set of decode graphs per compute stream"
+        )
 
     @property
     def has_work_in_flight(self) -> bool:
@@ -135,7 +174,10 @@ class ModelRunner:
             if needs_logits:
                 sampled.append(state)
             state.num_computed = end
-        batch = build_forward_batch(chunks, self.block_size, self.device) if chunks else None
+        upload = None
+        if self.streams is not None and chunks:
+            upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
+        batch = build_forward_batch(chunks, self.block_size, self.device, upload) if chunks else None
         return StagedStep(
             step_id=step.step_id,
             lane=step.lane,
@@ -144,32 +186,84 @@ class ModelRunner:
             staging_seconds=time.perf_counter() - started,
             traceparents=dict(step.traceparents),
             urgent=step.urgent,
+            ready=upload.ready() if upload is not None else None,
         )
 
     @torch.inference_mode()
-    def execute(
-        self, staged: StagedStep, yield_point: Callable[[], None] | None = None
-    ) -> worker_pb2.StepResult:
-        """Run one staged step; `yield_point` runs between the model's blocks (see LlamaModel.forward)."""
-        result = worker_pb2.StepResult(step_id=staged.step_id, lane=staged.lane)
+    def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
+        """Run (on a GPU with SBO: launch) one staged step; `yield_point` runs between the model's
+        blocks (see LlamaModel.forward). Pass the result to `finish`."""
+        pending = PendingStep(worker_pb2.StepResult(step_id=staged.step_id, lane=staged.lane))
         if staged.batch is None:
+            return pending
+        slot = self.streams.slot_for_lane(staged.lane) if self.streams is not None else 0
+        stream = self.streams.compute[slot] if self.streams is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None:
+                pending.started = torch.cuda.Event(enable_timing=True)
+                pending.started.record(stream)
+                if staged.ready is not None:
+                    stream.wait_event(staged.ready)
+            logits = self._forward(staged.batch, slot, yield_point)  # [S, vocab] float32
+            pending.sampled = staged.sampled
+            rows = [
+                SamplingRow(s.sampling, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :])
+                for s in staged.sampled
+            ]
+            if rows and stream is not None and all(row.params.logprobs is None for row in rows):
+                chosen = self.sampler.choose(logits, rows)
+                pending.tokens = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+                pending.tokens.copy_(chosen, non_blocking=True)
+            elif rows:
+                pending.output = self.sampler.sample(logits, rows)
+            if stream is not None:
+                # Also when nothing was sampled: the step's K/V must be written before its result
+                # lets the scheduler send the sequence's next chunk, perhaps to another stream.
+                pending.done = torch.cuda.Event(enable_timing=True)
+                pending.done.record(stream)
+        return pending
+
+    def _forward(
+        self,
+        batch: ForwardBatch,
+        slot: int,
+        yield_point: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """The model's forward, or the replay of compute stream `slot`'s decode graph."""
+        if self.graphs:
+            graphs = self.graphs[slot]
+            size = graphs.size_for(batch)
+            if size is not None:
+                return graphs.run(batch, size)
+        return self.model(batch, self.kv_cache, yield_point)
+
+    def finish(self, pending: PendingStep) -> worker_pb2.StepResult:
+        """Wait for the step's tokens, append them to their sequences and fill in the result. On a
+        GPU with SBO the result's compute time is the GPU's, from the step's two events."""
+        result = pending.result
+        if pending.done is not None:
+            pending.done.synchronize()
+            assert pending.started is not None
+            result.compute_seconds = pending.started.elapsed_time(pending.done) / 1e3
+        if not pending.sampled:
             return result
-        logits = self.model(staged.batch, self.kv_cache, yield_point)  # [S, vocab] float32
-        if not staged.sampled:
-            return result
-        rows = [
-            SamplingRow(s.sampling, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :])
-            for s in staged.sampled
-        ]
-        output = self.sampler.sample(logits, rows)
-        for state, token_id in zip(staged.sampled, output.token_ids, strict=True):
+        if pending.output is not None:
+            token_ids, logprobs = pending.output.token_ids, pending.output.logprobs
+        else:
+            assert pending.tokens is not None
+            token_ids, logprobs = pending.tokens.tolist(), [None] * len(pending.sampled)
+        for state, token_id in zip(pending.sampled, token_ids, strict=True):
             state.token_ids.append(token_id)
-        result.seq_ids = np.asarray([s.seq_id for s in staged.sampled], dtype="<u8").tobytes()
-        result.token_ids = np.asarray(output.token_ids, dtype="<i4").tobytes()
-        for state, logprobs in zip(staged.sampled, output.logprobs, strict=True):
-            if logprobs is not None:
+        result.seq_ids = np.asarray([s.seq_id for s in pending.sampled], dtype="<u8").tobytes()
+        result.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        for state, entry_logprobs in zip(pending.sampled, logprobs, strict=True):
+            if entry_logprobs is not None:
                 entry = result.logprobs[state.seq_id]
-                entry.logprob = logprobs.logprob
-                entry.top_token_ids = np.asarray(logprobs.top_token_ids, dtype="<i4").tobytes()
-                entry.top_logprobs = np.asarray(logprobs.top_logprobs, dtype="<f4").tobytes()
+                entry.logprob = entry_logprobs.logprob
+                entry.top_token_ids = np.asarray(entry_logprobs.top_token_ids, dtype="<i4").tobytes()
+                entry.top_logprobs = np.asarray(entry_logprobs.top_logprobs, dtype="<f4").tobytes()
         return result
+
+    def run(self, staged: StagedStep) -> worker_pb2.StepResult:
+        """execute + finish, for callers that want the result at once (warm-up, tests)."""
+        return self.finish(self.execute(staged))

@@ -80,12 +80,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick one token per row of `logits` ([S, V] float32)."""
+        if not rows:
+            return SamplerOutput([], [])
+        chosen = self.choose(logits, rows)
+        return SamplerOutput(chosen.tolist(), compute_logprobs(logits, chosen, [r.params for r in rows]))
+
+    def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [S] int64
+        """The chosen tokens as a tensor on the logits' device. Greedy rows without penalties read
+        nothing back to the host, so on a GPU the step's tokens can be copied back asynchronously."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
-        if not rows:
-            return SamplerOutput([], [])
         params = [r.params for r in rows]
         scores = apply_penalties(logits, rows)  # [S, V]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -98,7 +104,7 @@ class Sampler:
             index = torch.tensor(random_rows, device=logits.device)
             picked = self._draw(scores.index_select(0, index), [rows[i] for i in random_rows])
             chosen = chosen.index_copy(0, index, picked)
-        return SamplerOutput(chosen.tolist(), compute_logprobs(logits, chosen, params))
+        return chosen
 
     def _draw(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [R] int64
         temps = torch.tensor([r.params.temperature for r in rows], device=scores.device)

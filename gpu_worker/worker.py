@@ -21,11 +21,13 @@ import zmq
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.config import WorkerConfig
-from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
+from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
@@ -199,9 +201,37 @@ def warm_up(runner: ModelRunner, block_size: int) -> None:
         num_new_tokens=len(prompt),
     )
     decode = worker_pb2.RunningSequence(seq_id=0, num_computed_tokens=len(prompt), num_new_tokens=1)
-    runner.execute(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
-    runner.execute(runner.stage(worker_pb2.Step(step_id=1, running=[decode])))
+    runner.run(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
+    runner.run(runner.stage(worker_pb2.Step(step_id=1, running=[decode])))
     runner.seqs.clear()
+
+
+def capture_decode_graphs(
+    config: WorkerConfig,
+    model: LlamaModel,
+    kv_cache: KVCache,
+    configure: worker_pb2.Configure,
+    streams: CudaStreams | None,
+) -> list[DecodeGraphs]:
+    """One set of decode graphs per compute stream (they share inputs, so streams cannot share a
+    set), when on CUDA with the Triton backend and --cuda-graphs."""
+    if model.device.type != "cuda" or not config.cuda_graphs:
+        return []
+    if model.attention_backend != "triton":
+        log.warning(
+            "CUDA graphs need the triton attention backend, not %s: decode runs eagerly",
+            model.attention_backend,
+        )
+        return []
+    largest = min(config.cuda_graph_max_batch, configure.max_num_seqs or config.cuda_graph_max_batch)
+    sizes = graph_batch_sizes(largest)
+    sets = [
+        DecodeGraphs(model, kv_cache, configure.block_size, model.config.context_length, sizes)
+        for _ in range(len(streams.compute) if streams is not None else 1)
+    ]
+    for graphs in sets:
+        graphs.capture()
+    return sets
 
 
 def run_worker(config: WorkerConfig) -> int:
@@ -255,8 +285,14 @@ def _run(config: WorkerConfig) -> int:
         model.use_attention(
             make_attention(config.attention_backend, model_config, dtype, device, configure.block_size)
         )
-        runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed)
+        # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
+        # asynchronously. Without SBO everything runs on the default stream, one step at a time.
+        streams = (
+            CudaStreams(device, config.compute_streams) if device.type == "cuda" and config.sbo else None
+        )
+        runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed, streams=streams)
         warm_up(runner, configure.block_size)
+        runner.graphs = capture_decode_graphs(config, model, kv_cache, configure, streams)
         log.info(
             "KV cache allocated in %.1f s, warmed up in %.1f s",
             allocated - started,
@@ -275,16 +311,22 @@ def _run(config: WorkerConfig) -> int:
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         log.info(
-            "ready: %d KV blocks of %d tokens, %s attention, SBO %s",
+            "ready: %d KV blocks of %d tokens, %s attention, SBO %s, %s",
             num_blocks,
             configure.block_size,
             model.attention_backend,
-            "on" if config.sbo else "off",
+            f"on (depth {config.sbo_depth})" if config.sbo else "off",
+            (
+                f"{len(streams.compute) if streams else 1} compute stream(s), CUDA graphs "
+                + (f"for decode batches up to {runner.graphs[0].sizes[-1]}" if runner.graphs else "off")
+                if device.type == "cuda"
+                else "CPU"
+            ),
         )
         heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
         try:
-            StepPipeline(socket, runner, config.sbo).run()
+            StepPipeline(socket, runner, config.sbo, config.sbo_depth).run()
         finally:
             heartbeat.stop()
         log.info("shutdown requested by the scheduler")

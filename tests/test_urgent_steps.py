@@ -16,7 +16,7 @@ from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
-from gpu_worker.runner import ModelRunner, StagedStep
+from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from gpu_worker.worker import make_attention
 from protos import worker_pb2
 
@@ -83,8 +83,8 @@ def sampled(result: worker_pb2.StepResult) -> dict[int, int]:
 
 def sequential_reference(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> dict[int, int]:
     runner = make_runner(tiny, backend)
-    first = runner.execute(runner.stage(prefill_step(1, STEP_A)))
-    second = runner.execute(runner.stage(prefill_step(2, STEP_U, urgent=True)))
+    first = runner.run(runner.stage(prefill_step(1, STEP_A)))
+    second = runner.run(runner.stage(prefill_step(2, STEP_U, urgent=True)))
     return sampled(first) | sampled(second)
 
 
@@ -107,24 +107,22 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
     urgent_results: list[worker_pb2.StepResult] = []
 
     def run_one_urgent_step() -> None:
-        urgent_results.append(runner.execute(urgent_steps[len(urgent_results)]))
+        urgent_results.append(runner.run(urgent_steps[len(urgent_results)]))
 
-    got = sampled(runner.execute(outer, run_one_urgent_step))
+    got = sampled(runner.finish(runner.execute(outer, run_one_urgent_step)))
     assert len(urgent_results) == boundaries
     assert got == {k: v for k, v in expected.items() if k in got}
     # Each urgent prompt alone, on a fresh runner, gives the token it got inside the outer step.
     for index, result in enumerate(urgent_results):
         alone = make_runner(tiny, backend)
         staged = alone.stage(prefill_step(1, [(10 + index, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
-        assert sampled(result) == sampled(alone.execute(staged))
+        assert sampled(result) == sampled(alone.run(staged))
 
 
 class SlowBoundaries(ModelRunner):
     """A real runner whose block boundaries each take 50 ms longer, so an urgent step surely arrives mid-step."""
 
-    def execute(
-        self, staged: StagedStep, yield_point: Callable[[], None] | None = None
-    ) -> worker_pb2.StepResult:
+    def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
         if yield_point is None:
             return super().execute(staged)
         inner = yield_point

@@ -44,9 +44,38 @@ def test_worker_config_checks_its_flags() -> None:
             parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--kv-cache-memory", "2"])
         )
 
+    base = ["worker", "--model", "m", "--scheduler-address", "ipc:///x"]
+    for flag, value in (
+        ("--sbo-depth", "0"),
+        ("--sbo-depth", "5"),
+        ("--compute-streams", "0"),
+        ("--compute-streams", "5"),
+        ("--cuda-graph-max-batch", "0"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            worker_config(parse([*base, flag, value]))
+    tuned = worker_config(parse([*base, "--sbo-depth", "4", "--compute-streams", "2", "--no-cuda-graphs"]))
+    assert (tuned.sbo_depth, tuned.compute_streams, tuned.cuda_graphs) == (4, 2, False)
+
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
-    args = parse(["serve", "--model", "m.gguf", "--no-sbo", "--block-size", "32", "--dtype", "bfloat16"])
+    args = parse(
+        [
+            "serve",
+            "--model",
+            "m.gguf",
+            "--no-sbo",
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+            "--compute-streams",
+            "2",
+            "--sbo-depth",
+            "3",
+            "--no-cuda-graphs",
+        ]
+    )
     scheduler = scheduler_config(args)
     worker = worker_config(args, scheduler_address=scheduler.worker_address)
     child = build_parser({}).parse_args(

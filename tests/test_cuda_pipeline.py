@@ -1,0 +1,204 @@
+"""The GPU execution path: decode CUDA graphs and the CUDA SBO pipeline against the plain forward.
+
+The pieces that need no GPU (graph sizes, which steps replay, the upload hook) run everywhere;
+the rest is gpu-marked and runs in `make gpu-check`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, replayable
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.model import LlamaModel
+from gpu_worker.runner import ModelRunner
+from gpu_worker.streams import CudaStreams
+from gpu_worker.worker import make_attention
+from protos import worker_pb2
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 16
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_largest() -> None:
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(300) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 128, 256, 300]
+    assert graph_batch_sizes(0) == []
+
+
+def test_only_decode_only_steps_replay() -> None:
+    decode = [ScheduledChunk([5], 20, [0, 1], True), ScheduledChunk([6], 3, [2], True)]
+    assert replayable(build_forward_batch(decode, BLOCK_SIZE, "cpu"))
+    prefill = ScheduledChunk([1, 2, 3], 0, [3], True)
+    assert not replayable(build_forward_batch([*decode, prefill], BLOCK_SIZE, "cpu"))
+    # A one-token chunk in the middle of a prompt samples nothing: its step runs eagerly.
+    middle = ScheduledChunk([7], 4, [4], False)
+    assert not replayable(build_forward_batch([*decode, middle], BLOCK_SIZE, "cpu"))
+
+
+def test_build_forward_batch_sends_every_array_through_the_upload_hook() -> None:
+    seen: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def upload(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        seen.append((array.shape, dtype))
+        return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+    chunks = [ScheduledChunk([5], 20, [0, 1], True), ScheduledChunk([1, 2, 3], 16, [2, 3], True)]
+    hooked = build_forward_batch(chunks, BLOCK_SIZE, "cpu", upload)
+    plain = build_forward_batch(chunks, BLOCK_SIZE, "cpu")
+    assert len(seen) == 13  # 7 batch tensors, 4 decode, 2 for the prefill's cached prefix
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "block_tables"):
+        assert torch.equal(getattr(hooked, name), getattr(plain, name)), name
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU (make gpu-check)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+    )
+    path: Path = tmp_path_factory.mktemp("tiny-llama-cuda")
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+    return load_model(path)
+
+
+def cuda_model(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> tuple[LlamaModel, list]:
+    assert torch.cuda.is_available(), "the gpu subset runs on a machine with a CUDA device (make gpu-check)"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config, weights = tiny
+    device = torch.device("cuda")
+    model = LlamaModel(config, torch.float32, device)
+    model.load_weights(weights)
+    model.use_attention(make_attention("triton", config, torch.float32, device, BLOCK_SIZE))
+    return model, allocate_kv_cache(config, 256, BLOCK_SIZE, torch.float32, device)
+
+
+@pytest.mark.gpu
+def test_decode_graph_replays_compute_what_the_eager_forward_computes(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    model, kv_cache = cuda_model(tiny)
+    # Random K/V in the cache stands for the sequences' prefixes.
+    for k_cache, v_cache in kv_cache:
+        k_cache.normal_()
+        v_cache.normal_()
+    graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, tiny[0].context_length, [1, 2, 4, 8])
+    graphs.capture()
+    gen = torch.Generator().manual_seed(0)
+    for num in (1, 3, 8, 2):
+        contexts = torch.randint(1, 300, (num,), generator=gen).tolist()
+        chunks = []
+        for row, context in enumerate(contexts):
+            blocks = list(range(row * 20, row * 20 + 20))
+            chunks.append(
+                ScheduledChunk([int(torch.randint(3, 500, (1,), generator=gen))], context, blocks, True)
+            )
+        batch = build_forward_batch(chunks, BLOCK_SIZE, "cuda")
+        size = graphs.size_for(batch)
+        assert size is not None and size >= num and size == min(s for s in graphs.sizes if s >= num)
+        replayed = graphs.run(batch, size).clone()
+        eager = model(batch, kv_cache)
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    assert graphs.replays == 4
+
+
+def prompt_step(step_id: int, lane: int, seqs: list[tuple[int, int, list[int]]]) -> worker_pb2.Step:
+    step = worker_pb2.Step(step_id=step_id, lane=lane)
+    for seq_id, length, blocks in seqs:
+        prompt = (np.arange(length, dtype="<i4") * 7 + seq_id) % 500 + 3
+        step.new_sequences.append(
+            worker_pb2.NewSequence(
+                seq_id=seq_id,
+                token_ids=prompt.tobytes(),
+                prompt_len=length,
+                block_ids=np.asarray(blocks, dtype="<i4").tobytes(),
+                num_new_tokens=length,
+            )
+        )
+    return step
+
+
+def decode_step(step_id: int, lane: int, computed: dict[int, int]) -> worker_pb2.Step:
+    step = worker_pb2.Step(step_id=step_id, lane=lane)
+    for seq_id, num_computed in computed.items():
+        step.running.append(
+            worker_pb2.RunningSequence(seq_id=seq_id, num_computed_tokens=num_computed, num_new_tokens=1)
+        )
+    return step
+
+
+def tokens_of(result: worker_pb2.StepResult) -> dict[int, int]:
+    seq_ids = np.frombuffer(result.seq_ids, "<u8").tolist()
+    return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
+
+
+def generate_on_two_lanes(runner: ModelRunner, overlap: bool) -> dict[int, list[int]]:
+    """Lane 0 runs sequences 1-3, lane 1 sequences 4-5; 12 decode steps each. With `overlap`, each
+    lane's step is launched before the other lane's tokens are read back (DBO on two streams)."""
+    lanes = {
+        0: [(1, 40, [0, 1, 2, 3]), (2, 7, [4, 5]), (3, 19, [6, 7])],
+        1: [(4, 33, [8, 9, 10]), (5, 2, [11])],
+    }
+    out: dict[int, list[int]] = {}
+    computed: dict[int, int] = {}
+    step_id = 0
+    staged = {}
+    for lane, seqs in lanes.items():
+        staged[lane] = runner.stage(prompt_step(step_id := step_id + 1, lane, seqs))
+        for seq_id, length, _ in seqs:
+            computed[seq_id] = length
+    for _ in range(13):
+        results = {}
+        if overlap:
+            pending = {lane: runner.execute(staged[lane]) for lane in lanes}
+            results = {lane: runner.finish(pending[lane]) for lane in lanes}
+        else:
+            results = {lane: runner.run(staged[lane]) for lane in lanes}
+        for lane in lanes:
+            for seq_id, token in tokens_of(results[lane]).items():
+                out.setdefault(seq_id, []).append(token)
+            mine = {seq_id: computed[seq_id] for seq_id, _, _ in lanes[lane]}
+            staged[lane] = runner.stage(decode_step(step_id := step_id + 1, lane, mine))
+            for seq_id in mine:
+                computed[seq_id] += 1
+    return out
+
+
+@pytest.mark.gpu
+def test_cuda_sbo_streams_and_graphs_generate_what_the_plain_runner_generates(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    model, kv_cache = cuda_model(tiny)
+    device = torch.device("cuda")
+    plain = ModelRunner(model, kv_cache, BLOCK_SIZE, device)
+    expected = generate_on_two_lanes(plain, overlap=False)
+    streams = CudaStreams(device, compute_streams=2)
+    graph_sets = [
+        DecodeGraphs(model, kv_cache, BLOCK_SIZE, tiny[0].context_length, [1, 2, 4]) for _ in range(2)
+    ]
+    for graphs in graph_sets:
+        graphs.capture()
+    overlapped = ModelRunner(model, kv_cache, BLOCK_SIZE, device, streams=streams, graphs=graph_sets)
+    assert generate_on_two_lanes(overlapped, overlap=True) == expected
+    assert all(graphs.replays == 12 for graphs in graph_sets)  # every decode step of both lanes
