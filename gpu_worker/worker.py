@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import WorkerConfig, uses_sbo
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.loader import ModelConfig, load_model
@@ -287,9 +287,8 @@ def _run(config: WorkerConfig) -> int:
         )
         # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
         # asynchronously. Without SBO everything runs on the default stream, one step at a time.
-        streams = (
-            CudaStreams(device, config.compute_streams) if device.type == "cuda" and config.sbo else None
-        )
+        sbo = uses_sbo(config, device.type)
+        streams = CudaStreams(device, config.compute_streams) if device.type == "cuda" and sbo else None
         runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed, streams=streams)
         warm_up(runner, configure.block_size)
         runner.graphs = capture_decode_graphs(config, model, kv_cache, configure, streams)
@@ -315,7 +314,7 @@ def _run(config: WorkerConfig) -> int:
             num_blocks,
             configure.block_size,
             model.attention_backend,
-            f"on (depth {config.sbo_depth})" if config.sbo else "off",
+            f"on (depth {config.sbo_depth})" if sbo else "off",
             (
                 f"{len(streams.compute) if streams else 1} compute stream(s), CUDA graphs "
                 + (f"for decode batches up to {runner.graphs[0].sizes[-1]}" if runner.graphs else "off")
@@ -326,7 +325,7 @@ def _run(config: WorkerConfig) -> int:
         heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
         try:
-            StepPipeline(socket, runner, config.sbo, config.sbo_depth).run()
+            StepPipeline(socket, runner, sbo, config.sbo_depth).run()
         finally:
             heartbeat.stop()
         log.info("shutdown requested by the scheduler")

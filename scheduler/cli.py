@@ -135,7 +135,12 @@ WORKER_FLAGS = (
     ),
     Flag("--kv-cache-memory", float, 0.0, "fraction of free device memory for the KV cache (0 = default)"),
     Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),
-    Flag("--sbo", bool, True, "stage the next batch while the current one computes"),
+    Flag(
+        "--sbo",
+        bool,
+        None,
+        "stage the next batch while the current one computes (unset: on for a CPU worker, off on CUDA)",
+    ),
     Flag("--sbo-depth", int, 2, "steps staged ahead of the one computing (1-4)"),
     Flag("--compute-streams", int, 1, "CUDA: compute streams, DBO lanes spread over them (1-4)"),
     Flag("--cuda-graphs", bool, True, "CUDA: replay captured graphs for decode-only steps"),

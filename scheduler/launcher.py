@@ -50,6 +50,8 @@ def flags_to_argv(flags: Sequence[Flag], values: object) -> list[str]:
         if not hasattr(values, flag.dest):
             continue
         value = getattr(values, flag.dest)
+        if value is None:  # unset: the child decides as the parent would have
+            continue
         if flag.type is bool:
             argv.append(flag.name if value else "--no-" + flag.name.removeprefix("--"))
         else:
