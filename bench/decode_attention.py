@@ -43,8 +43,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 20) -
     return (time.perf_counter() - started) / repeats * 1e3
 
 
-def graph_ms(fn: Callable[[], object], repeats: int = 50) -> float:
-    """Device time of `fn` captured once as a CUDA graph and replayed: no Python launch cost."""
+def graph_ms(fn: Callable[[], torch.Tensor], repeats: int = 50) -> tuple[float, torch.Tensor]:
+    """Device time of `fn` captured once as a CUDA graph and replayed (no Python launch cost), and
+    the graph's output after the replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -53,7 +54,7 @@ def graph_ms(fn: Callable[[], object], repeats: int = 50) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        output = fn()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -61,7 +62,7 @@ def graph_ms(fn: Callable[[], object], repeats: int = 50) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return start.elapsed_time(end) / repeats, output
 
 
 def measured_copy_gbs(device: torch.device) -> float:
@@ -176,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # device's time, and the bandwidth is computed from it.
         device_ms = kernel_ms
         if device.type == "cuda":
-            row["kernel_graph_ms"] = device_ms = graph_ms(ours)
-            row["baseline_graph_ms"] = graph_ms(reference)
+            row["kernel_graph_ms"] = device_ms = graph_ms(ours)[0]
+            row["baseline_graph_ms"] = graph_ms(reference)[0]
             row["graph_speedup"] = row["baseline_graph_ms"] / device_ms
         kv_bytes = (
             2 * num_seqs * context * case["k_cache"].shape[2] * case["k_cache"].shape[3] * dtype.itemsize

@@ -6,8 +6,6 @@ the rest is gpu-marked and runs in `make gpu-check`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -15,12 +13,13 @@ import torch
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, replayable
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from gpu_worker.worker import make_attention
 from protos import worker_pb2
+from tests.worker_steps import prompt_step, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,20 +65,13 @@ def test_build_forward_batch_sends_every_array_through_the_upload_hook() -> None
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama-cuda"),
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
-        initializer_range=0.15,
     )
-    path: Path = tmp_path_factory.mktemp("tiny-llama-cuda")
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
-    return load_model(path)
 
 
 def cuda_model(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> tuple[LlamaModel, list]:
@@ -123,22 +115,6 @@ def test_decode_graph_replays_compute_what_the_eager_forward_computes(
     assert graphs.replays == 4
 
 
-def prompt_step(step_id: int, lane: int, seqs: list[tuple[int, int, list[int]]]) -> worker_pb2.Step:
-    step = worker_pb2.Step(step_id=step_id, lane=lane)
-    for seq_id, length, blocks in seqs:
-        prompt = (np.arange(length, dtype="<i4") * 7 + seq_id) % 500 + 3
-        step.new_sequences.append(
-            worker_pb2.NewSequence(
-                seq_id=seq_id,
-                token_ids=prompt.tobytes(),
-                prompt_len=length,
-                block_ids=np.asarray(blocks, dtype="<i4").tobytes(),
-                num_new_tokens=length,
-            )
-        )
-    return step
-
-
 def decode_step(step_id: int, lane: int, computed: dict[int, int]) -> worker_pb2.Step:
     step = worker_pb2.Step(step_id=step_id, lane=lane)
     for seq_id, num_computed in computed.items():
@@ -165,7 +141,7 @@ def generate_on_two_lanes(runner: ModelRunner, overlap: bool) -> dict[int, list[
     step_id = 0
     staged = {}
     for lane, seqs in lanes.items():
-        staged[lane] = runner.stage(prompt_step(step_id := step_id + 1, lane, seqs))
+        staged[lane] = runner.stage(prompt_step(step_id := step_id + 1, seqs, lane=lane, vocab_size=512))
         for seq_id, length, _ in seqs:
             computed[seq_id] = length
     for _ in range(13):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,12 +12,13 @@ import torch
 import zmq
 
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from gpu_worker.worker import make_attention
 from protos import worker_pb2
+from tests.worker_steps import prompt_step, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,20 +27,7 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.15,
-    )
-    path: Path = tmp_path_factory.mktemp("tiny-llama")
-    transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
-    return load_model(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> ModelRunner:
@@ -55,20 +42,7 @@ def make_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str)
 def prefill_step(
     step_id: int, seqs: list[tuple[int, int, list[int]]], urgent: bool = False
 ) -> worker_pb2.Step:
-    """A step starting sequences (seq_id, prompt_len, block ids) from scratch."""
-    step = worker_pb2.Step(step_id=step_id, urgent=urgent)
-    for seq_id, length, blocks in seqs:
-        prompt = (np.arange(length, dtype="<i4") * 7 + seq_id) % 250 + 3
-        step.new_sequences.append(
-            worker_pb2.NewSequence(
-                seq_id=seq_id,
-                token_ids=prompt.tobytes(),
-                prompt_len=length,
-                block_ids=np.asarray(blocks, dtype="<i4").tobytes(),
-                num_new_tokens=length,
-            )
-        )
-    return step
+    return prompt_step(step_id, seqs, urgent=urgent)
 
 
 # Step A: three long prompts (the step that gets interrupted); step U: one short prompt (urgent).
