@@ -288,6 +288,10 @@ def _run(config: WorkerConfig) -> int:
         # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
         # asynchronously. Without SBO everything runs on the default stream, one step at a time.
         sbo = uses_sbo(config, device.type)
+        if device.type == "cuda" and not sbo and config.compute_streams > 1:
+            log.warning(
+                "--compute-streams %d needs --sbo on CUDA; one stream is used", config.compute_streams
+            )
         streams = CudaStreams(device, config.compute_streams) if device.type == "cuda" and sbo else None
         runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed, streams=streams)
         warm_up(runner, configure.block_size)
