@@ -263,25 +263,33 @@ class StepPipeline:
         # sends the replies, in order: the compute thread goes on launching and the staging thread
         # goes on staging. On the CPU the step is done when execute returns, and the compute
         # thread sends its reply itself.
-        replies: queue.SimpleQueue[Callable[[], bytes] | None] | None = None
-        finisher = None
-        results_out = None
+        deliver: Callable[[Callable[[], bytes]], None]
+        close: Callable[[], None]  # after the last reply: b"" wakes the staging thread so it exits
         if self.runner.streams is not None:
-            replies = queue.SimpleQueue()
+            replies: queue.SimpleQueue[Callable[[], bytes] | None] = queue.SimpleQueue()
             finisher = threading.Thread(
                 target=self._finishing_loop, args=(context, replies), name="duoserve-replies", daemon=True
             )
             finisher.start()
+            deliver = replies.put
+
+            def stop_finisher() -> None:  # it sends b"" after the replies queued before None
+                replies.put(None)
+                finisher.join(timeout=30)
+
+            close = stop_finisher
         else:
             results_out = context.socket(zmq.PUSH)
             results_out.connect(_RESULTS_ADDRESS)
 
-        def deliver(reply: Callable[[], bytes]) -> None:
-            if replies is not None:
-                replies.put(reply)
-            else:
-                assert results_out is not None
+            def send_now(reply: Callable[[], bytes]) -> None:
                 results_out.send(reply())
+
+            def close_results() -> None:
+                results_out.send(b"")
+                results_out.close(linger=0)
+
+            deliver, close = send_now, close_results
 
         def run_urgent_steps() -> None:
             """Between two blocks of the step in progress: run the urgent steps that arrived."""
@@ -301,13 +309,7 @@ class StepPipeline:
                     return
                 self._execute(item, timings, deliver, run_urgent_steps)
         finally:
-            # b"" after the last reply wakes the staging thread so it exits.
-            if replies is not None and finisher is not None:
-                replies.put(None)
-                finisher.join(timeout=30)
-            if results_out is not None:
-                results_out.send(b"")
-                results_out.close(linger=0)
+            close()
             stager.join(timeout=5)
 
     def _finishing_loop(
