@@ -29,6 +29,7 @@ class WorkerConfig:
     sbo: bool | None = None  # None: by device (see uses_sbo)
     sbo_depth: int = 2
     compute_streams: int = 1
+    sbo_switch_interval_ms: float = 0.2
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True
@@ -58,6 +59,12 @@ class WorkerConfig:
         _check(self.threads >= 0, "--threads", self.threads, ">= 0 (0 = all cores)")
         _check(1 <= self.sbo_depth <= 4, "--sbo-depth", self.sbo_depth, "1 to 4")
         _check(1 <= self.compute_streams <= 4, "--compute-streams", self.compute_streams, "1 to 4")
+        _check(
+            0.01 <= self.sbo_switch_interval_ms <= 100,
+            "--sbo-switch-interval-ms",
+            self.sbo_switch_interval_ms,
+            "0.01 to 100 milliseconds",
+        )
         _check(
             1 <= self.cuda_graph_max_batch <= 1024,
             "--cuda-graph-max-batch",

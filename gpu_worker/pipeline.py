@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -146,19 +147,37 @@ def _step_span(staged: StagedStep) -> Span:
 class StepPipeline:
     """Receives, stages, executes and answers steps until the scheduler says Shutdown."""
 
-    def __init__(self, socket: zmq.Socket, runner: ModelRunner, sbo: bool, sbo_depth: int = 2) -> None:
-        """`sbo_depth`: steps the staging thread may hold staged ahead of the compute thread."""
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        runner: ModelRunner,
+        sbo: bool,
+        sbo_depth: int = 2,
+        switch_interval: float | None = None,
+    ) -> None:
+        """`sbo_depth`: steps the staging thread may hold staged ahead of the compute thread.
+        `switch_interval`: with SBO, Python's thread switch interval in seconds while the pipeline
+        runs (None: leave it). A thread that wants the interpreter lock waits up to that long for
+        one that holds it: with Python's 5 ms, every hand-over between the staging, compute and
+        reply threads could cost a whole GPU decode step."""
         assert sbo_depth >= 1, f"sbo_depth {sbo_depth} < 1"
         self.socket = socket
         self.runner = runner
         self.sbo = sbo
         self.sbo_depth = sbo_depth
+        self.switch_interval = switch_interval
 
     def run(self) -> None:
-        if self.sbo:
-            self._run_overlapped()
-        else:
+        if not self.sbo:
             self._run_sequential()
+            return
+        previous = sys.getswitchinterval()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+        try:
+            self._run_overlapped()
+        finally:
+            sys.setswitchinterval(previous)
 
     # ------------------------------------------------------------------ shared pieces
 

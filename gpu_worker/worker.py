@@ -318,7 +318,9 @@ def _run(config: WorkerConfig) -> int:
             num_blocks,
             configure.block_size,
             model.attention_backend,
-            f"on (depth {config.sbo_depth})" if sbo else "off",
+            f"on (depth {config.sbo_depth}, switch interval {config.sbo_switch_interval_ms} ms)"
+            if sbo
+            else "off",
             (
                 f"{len(streams.compute) if streams else 1} compute stream(s), CUDA graphs "
                 + (f"for decode batches up to {runner.graphs[0].sizes[-1]}" if runner.graphs else "off")
@@ -329,7 +331,7 @@ def _run(config: WorkerConfig) -> int:
         heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
         try:
-            StepPipeline(socket, runner, sbo, config.sbo_depth).run()
+            StepPipeline(socket, runner, sbo, config.sbo_depth, config.sbo_switch_interval_ms / 1e3).run()
         finally:
             heartbeat.stop()
         log.info("shutdown requested by the scheduler")

@@ -143,6 +143,12 @@ WORKER_FLAGS = (
     ),
     Flag("--sbo-depth", int, 2, "steps staged ahead of the one computing (1-4)"),
     Flag("--compute-streams", int, 1, "CUDA: compute streams, DBO lanes spread over them (1-4)"),
+    Flag(
+        "--sbo-switch-interval-ms",
+        float,
+        0.2,
+        "SBO: how long a thread may hold Python's interpreter lock while another waits (Python's own: 5)",
+    ),
     Flag("--cuda-graphs", bool, True, "CUDA: replay captured graphs for decode-only steps"),
     Flag("--cuda-graph-max-batch", int, 256, "CUDA: largest decode batch captured as a graph"),
     Flag(

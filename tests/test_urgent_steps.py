@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -144,3 +145,45 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
         scheduler_side.close(linger=0)
         worker_side.close(linger=0)
     assert not thread.is_alive()
+
+
+class RecordsSwitchInterval(ModelRunner):
+    """A real runner that notes Python's thread switch interval each time it executes a step."""
+
+    seen: list[float]
+
+    def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
+        self.seen.append(sys.getswitchinterval())
+        return super().execute(staged, yield_point)
+
+
+@pytest.mark.parametrize("sbo", [True, False])
+def test_sbo_runs_its_threads_with_the_configured_switch_interval_and_restores_it(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], sbo: bool
+) -> None:
+    plain = make_runner(tiny, "torch")
+    runner = RecordsSwitchInterval(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
+    runner.seen = []
+    before = sys.getswitchinterval()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind(f"inproc://duoserve-test-switch-{sbo}")
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect(f"inproc://duoserve-test-switch-{sbo}")
+    thread = threading.Thread(
+        target=StepPipeline(worker_side, runner, sbo=sbo, switch_interval=0.0003).run, daemon=True
+    )
+    thread.start()
+    try:
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_U)).SerializeToString())
+        assert scheduler_side.poll(10_000)
+        assert worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result.step_id == 1
+    finally:
+        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
+        thread.join(timeout=10)
+        scheduler_side.close(linger=0)
+        worker_side.close(linger=0)
+    assert not thread.is_alive()
+    # Only SBO runs threads that hand the interpreter lock to one another.
+    assert runner.seen == [pytest.approx(0.0003 if sbo else before)]
+    assert sys.getswitchinterval() == before

@@ -55,11 +55,15 @@ def test_worker_config_checks_its_flags() -> None:
         ("--compute-streams", "0"),
         ("--compute-streams", "5"),
         ("--cuda-graph-max-batch", "0"),
+        ("--sbo-switch-interval-ms", "0"),
+        ("--sbo-switch-interval-ms", "101"),
     ):
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
     tuned = worker_config(parse([*base, "--sbo-depth", "4", "--compute-streams", "2", "--no-cuda-graphs"]))
     assert (tuned.sbo_depth, tuned.compute_streams, tuned.cuda_graphs) == (4, 2, False)
+    assert config.sbo_switch_interval_ms == 0.2
+    assert worker_config(parse([*base, "--sbo-switch-interval-ms", "5"])).sbo_switch_interval_ms == 5.0
 
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
