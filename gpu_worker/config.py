@@ -30,6 +30,7 @@ class WorkerConfig:
     sbo_depth: int = 2
     compute_streams: int = 1
     sbo_switch_interval_ms: float = 0.2
+    sbo_threads: bool = False  # CUDA: SBO on three threads, not one
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True

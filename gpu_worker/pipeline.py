@@ -1,13 +1,17 @@
-"""The SBO pipeline: stage step k+1 on a thread while step k computes.
+"""The SBO pipeline: stage step k+1 while step k computes.
 
-The staging thread owns the ZeroMQ socket: it receives Step messages, decodes
-them and builds their input tensors (ModelRunner.stage; on a GPU that includes
-the copies to the device, on the data stream), at most `sbo_depth` steps ahead,
-and sends the results handed back over an inproc socket. The compute thread only
-runs forward passes and sampling. On a GPU it only launches them: a third thread
-waits for each step's tokens and makes its reply, so the compute thread launches
-the next step (the other DBO lane's) while this one runs. With SBO off the same
-work runs in one thread, one step after the other, so the two are compared A/B.
+On the CPU a forward pass occupies the thread that runs it, so staging needs a
+thread of its own. The staging thread owns the ZeroMQ socket: it receives Step
+messages, decodes them and builds their input tensors (ModelRunner.stage), at
+most `sbo_depth` steps ahead, and sends the results handed back over an inproc
+socket. The compute thread only runs forward passes and sampling.
+
+On a GPU a launch returns at once, so by default one thread does it all: it
+stages step k+1 (pinned inputs copied on the data stream) while the device
+computes step k, launches it behind step k, and answers each step when its
+tokens land (_run_one_thread). `--sbo-threads` runs the CPU's threads instead,
+plus a third that waits for each step's tokens and makes its reply. With SBO off
+the same work runs in one thread, one step after the other, so they compare A/B.
 
 Per step the worker reports staging time and how much of it was exposed (the
 compute thread stood waiting for it), and the time it waited for the scheduler
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import sys
 import threading
@@ -33,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import zmq
 from opentelemetry.trace import Span
 
@@ -41,6 +47,9 @@ from protos import worker_pb2
 from scheduler import tracing
 
 log = logging.getLogger(__name__)
+
+# Hands on a step's reply maker and the CUDA event after which its tokens are on the host.
+Deliver = Callable[[Callable[[], bytes], "torch.cuda.Event | None"], None]
 
 _RESULTS_ADDRESS = "inproc://duoserve-results"
 _DEPTH_RECHECK_MS = 1  # with --sbo-depth steps staged, look again this often for room
@@ -88,6 +97,21 @@ class _Timings:
         begin = max(self.ready_at, item.arrived_at)
         result.exposed_staging_seconds = min(staged.staging_seconds, max(0.0, staged.staged_at - begin))
         result.wait_seconds = max(0.0, item.arrived_at - self.ready_at) if had_work else 0.0
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A launched step waiting for its tokens (one-thread SBO)."""
+
+    reply: Callable[[], bytes]
+    done: torch.cuda.Event | None  # None: the reply can be made now
+
+    def finished(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
 
 class _StepQueue:
@@ -154,22 +178,28 @@ class StepPipeline:
         sbo: bool,
         sbo_depth: int = 2,
         switch_interval: float | None = None,
+        one_thread: bool = False,
     ) -> None:
         """`sbo_depth`: steps the staging thread may hold staged ahead of the compute thread.
         `switch_interval`: with SBO, Python's thread switch interval in seconds while the pipeline
         runs (None: leave it). A thread that wants the interpreter lock waits up to that long for
         one that holds it: with Python's 5 ms, every hand-over between the staging, compute and
-        reply threads could cost a whole GPU decode step."""
+        reply threads could cost a whole GPU decode step. `one_thread`: SBO in one thread (CUDA:
+        the device computes while the thread stages; see _run_one_thread)."""
         assert sbo_depth >= 1, f"sbo_depth {sbo_depth} < 1"
         self.socket = socket
         self.runner = runner
         self.sbo = sbo
         self.sbo_depth = sbo_depth
         self.switch_interval = switch_interval
+        self.one_thread = one_thread
 
     def run(self) -> None:
         if not self.sbo:
             self._run_sequential()
+            return
+        if self.one_thread:
+            self._run_one_thread()
             return
         previous = sys.getswitchinterval()
         if self.switch_interval is not None:
@@ -200,13 +230,14 @@ class StepPipeline:
         self,
         item: _Staged,
         timings: _Timings,
-        deliver: Callable[[Callable[[], bytes]], None],
+        deliver: Deliver,
         yield_point: Callable[[], None] | None = None,
         nested: bool = False,
     ) -> None:
-        """Run one step and hand `deliver` the function that makes its reply. That function waits
-        for the step's tokens (on a GPU with SBO they are still being copied back when execute
-        returns) and runs on whichever thread sends. `nested`: run inside another step (an urgent
+        """Run one step and hand `deliver` the function that makes its reply, with the CUDA event
+        after which its tokens are on the host (None: they are already). That function waits for
+        the event (on a GPU with SBO the tokens are still being copied back when execute returns)
+        and runs on whichever thread sends. `nested`: run inside another step (an urgent
         one): the compute thread was busy, so it neither waited for it nor becomes free after it."""
         assert item.staged is not None
         staged = item.staged
@@ -226,7 +257,7 @@ class StepPipeline:
             pending = self.runner.execute(staged, yield_point)
         except Exception as err:
             message = failed(err)
-            deliver(lambda: message)
+            deliver(lambda: message, None)
             if not nested:
                 timings.ready_at = time.perf_counter()
             return
@@ -249,7 +280,7 @@ class StepPipeline:
                 span.end()
             return worker_pb2.WorkerMessage(result=result).SerializeToString()
 
-        deliver(reply)
+        deliver(reply, pending.done)
         if not nested:
             timings.ready_at = time.perf_counter()
 
@@ -264,9 +295,58 @@ class StepPipeline:
                     self.socket.send(_error_message(item.step_id, item.error).SerializeToString())
                     continue
                 return
-            self._execute(item, timings, lambda reply: self.socket.send(reply()))
+            self._execute(item, timings, lambda reply, _done: self.socket.send(reply()))
 
-    # ------------------------------------------------------------------ SBO on
+    # ------------------------------------------------------------------ SBO on, one thread
+
+    def _run_one_thread(self) -> None:
+        """CUDA SBO without threads: launches return at once, so while the device computes step k
+        this thread stages step k+1 (its inputs copied on the data stream) and launches it behind
+        step k. It answers each step as soon as its tokens are back, in order, and between
+        messages it looks for them without blocking. At most `sbo_depth` steps are launched and
+        unanswered; with that many it waits for the oldest.
+
+        Exposed staging here is staging while the device had nothing to run: all of it when
+        nothing was launched, none when a launched step was still running once staging ended, and
+        (not knowing when the device went idle) all of it when the last one finished meanwhile.
+        """
+        timings = _Timings()
+        launched: collections.deque[_Launched] = collections.deque()
+
+        def answer_finished() -> None:
+            while launched and launched[0].finished():
+                self.socket.send(launched.popleft().reply())
+                if not launched:
+                    timings.ready_at = time.perf_counter()  # the device has nothing left to run
+
+        def deliver(reply: Callable[[], bytes], done: torch.cuda.Event | None) -> None:
+            launched.append(_Launched(reply, done))
+
+        while True:
+            answer_finished()
+            if len(launched) >= self.sbo_depth:
+                launched[0].wait()
+                continue
+            if launched and not self.socket.poll(0):
+                continue  # a step is running: look again for its tokens, and for the next step
+            busy = bool(launched)
+            item = self._receive(self.socket.recv())
+            if item.staged is None:
+                if item.error:
+                    message = _error_message(item.step_id, item.error).SerializeToString()
+                    deliver(lambda message=message: message, None)  # type: ignore[misc]
+                    continue
+                for step in launched:  # shut down: answer what was launched first
+                    step.wait()
+                answer_finished()
+                return
+            if launched and not launched[-1].finished():
+                timings.ready_at = math.inf  # the device computed all through staging
+            elif busy:
+                timings.ready_at = item.arrived_at
+            self._execute(item, timings, deliver)
+
+    # ------------------------------------------------------------------ SBO on, threads
 
     def _run_overlapped(self) -> None:
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -282,7 +362,7 @@ class StepPipeline:
         # sends the replies, in order: the compute thread goes on launching and the staging thread
         # goes on staging. On the CPU the step is done when execute returns, and the compute
         # thread sends its reply itself.
-        deliver: Callable[[Callable[[], bytes]], None]
+        deliver: Deliver
         close: Callable[[], None]  # after the last reply: b"" wakes the staging thread so it exits
         if self.runner.streams is not None:
             replies: queue.SimpleQueue[Callable[[], bytes] | None] = queue.SimpleQueue()
@@ -290,7 +370,7 @@ class StepPipeline:
                 target=self._finishing_loop, args=(context, replies), name="duoserve-replies", daemon=True
             )
             finisher.start()
-            deliver = replies.put
+            deliver = lambda reply, _done: replies.put(reply)  # noqa: E731
 
             def stop_finisher() -> None:  # it sends b"" after the replies queued before None
                 replies.put(None)
@@ -301,7 +381,7 @@ class StepPipeline:
             results_out = context.socket(zmq.PUSH)
             results_out.connect(_RESULTS_ADDRESS)
 
-            def send_now(reply: Callable[[], bytes]) -> None:
+            def send_now(reply: Callable[[], bytes], _done: torch.cuda.Event | None) -> None:
                 results_out.send(reply())
 
             def close_results() -> None:
@@ -323,7 +403,7 @@ class StepPipeline:
                 if item.staged is None:
                     if item.error:
                         message = _error_message(item.step_id, item.error).SerializeToString()
-                        deliver(lambda message=message: message)  # type: ignore[misc]
+                        deliver(lambda message=message: message, None)  # type: ignore[misc]
                         continue
                     return
                 self._execute(item, timings, deliver, run_urgent_steps)

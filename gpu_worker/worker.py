@@ -313,14 +313,18 @@ def _run(config: WorkerConfig) -> int:
             num_blocks=num_blocks,
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
+        # CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread.
+        one_thread = streams is not None and not config.sbo_threads
         log.info(
             "ready: %d KV blocks of %d tokens, %s attention, SBO %s, %s",
             num_blocks,
             configure.block_size,
             model.attention_backend,
-            f"on (depth {config.sbo_depth}, switch interval {config.sbo_switch_interval_ms} ms)"
-            if sbo
-            else "off",
+            "off"
+            if not sbo
+            else f"on, one thread (depth {config.sbo_depth})"
+            if one_thread
+            else f"on, threads (depth {config.sbo_depth}, switch interval {config.sbo_switch_interval_ms} ms)",
             (
                 f"{len(streams.compute) if streams else 1} compute stream(s), CUDA graphs "
                 + (f"for decode batches up to {runner.graphs[0].sizes[-1]}" if runner.graphs else "off")
@@ -331,7 +335,14 @@ def _run(config: WorkerConfig) -> int:
         heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
         try:
-            StepPipeline(socket, runner, sbo, config.sbo_depth, config.sbo_switch_interval_ms / 1e3).run()
+            StepPipeline(
+                socket,
+                runner,
+                sbo,
+                config.sbo_depth,
+                config.sbo_switch_interval_ms / 1e3,
+                one_thread=one_thread,
+            ).run()
         finally:
             heartbeat.stop()
         log.info("shutdown requested by the scheduler")

@@ -144,6 +144,12 @@ WORKER_FLAGS = (
     Flag("--sbo-depth", int, 2, "steps staged ahead of the one computing (1-4)"),
     Flag("--compute-streams", int, 1, "CUDA: compute streams, DBO lanes spread over them (1-4)"),
     Flag(
+        "--sbo-threads",
+        bool,
+        False,
+        "CUDA: run SBO on threads (stage, launch, reply) instead of in one thread (a CPU worker always uses threads)",
+    ),
+    Flag(
         "--sbo-switch-interval-ms",
         float,
         0.2,

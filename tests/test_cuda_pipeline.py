@@ -15,11 +15,18 @@ from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, replayable
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
+from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from gpu_worker.worker import make_attention
-from protos import worker_pb2
-from tests.worker_steps import prompt_step, save_tiny_llama
+from tests.worker_steps import (
+    TWO_LANES,
+    decode_step,
+    prompt_step,
+    save_tiny_llama,
+    tokens_of,
+    two_lanes_through_pipeline,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,6 +64,32 @@ def test_build_forward_batch_sends_every_array_through_the_upload_hook() -> None
     assert len(seen) == 13  # 7 batch tensors, 4 decode, 2 for the prefill's cached prefix
     for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "block_tables"):
         assert torch.equal(getattr(hooked, name), getattr(plain, name)), name
+
+
+def cpu_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> ModelRunner:
+    config, weights = tiny
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, torch.float32, cpu)
+    model.load_weights(weights)
+    model.use_attention(make_attention("torch", config, torch.float32, cpu, BLOCK_SIZE))
+    return ModelRunner(model, allocate_kv_cache(config, 64, BLOCK_SIZE, torch.float32, cpu), BLOCK_SIZE, cpu)
+
+
+@pytest.mark.parametrize("one_thread", [True, False])
+def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], one_thread: bool
+) -> None:
+    """The pipeline's loops on the CPU: one thread (CUDA's SBO loop; here every reply is ready at
+    once) and the staging thread, each driven like DBO, give the plain runner's tokens and answer
+    a bad step with an error."""
+    expected = generate_on_two_lanes(cpu_runner(tiny), overlap=False)
+    runner = cpu_runner(tiny)
+    tokens, results = two_lanes_through_pipeline(
+        lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=one_thread), 12, vocab_size=512
+    )
+    assert tokens == expected
+    assert len(results) == 2 * 13
+    assert all(r.staging_seconds > 0 and 0 <= r.exposed_staging_seconds <= r.staging_seconds for r in results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,27 +148,10 @@ def test_decode_graph_replays_compute_what_the_eager_forward_computes(
     assert graphs.replays == 4
 
 
-def decode_step(step_id: int, lane: int, computed: dict[int, int]) -> worker_pb2.Step:
-    step = worker_pb2.Step(step_id=step_id, lane=lane)
-    for seq_id, num_computed in computed.items():
-        step.running.append(
-            worker_pb2.RunningSequence(seq_id=seq_id, num_computed_tokens=num_computed, num_new_tokens=1)
-        )
-    return step
-
-
-def tokens_of(result: worker_pb2.StepResult) -> dict[int, int]:
-    seq_ids = np.frombuffer(result.seq_ids, "<u8").tolist()
-    return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
-
-
 def generate_on_two_lanes(runner: ModelRunner, overlap: bool) -> dict[int, list[int]]:
     """Lane 0 runs sequences 1-3, lane 1 sequences 4-5; 12 decode steps each. With `overlap`, each
     lane's step is launched before the other lane's tokens are read back (DBO on two streams)."""
-    lanes = {
-        0: [(1, 40, [0, 1, 2, 3]), (2, 7, [4, 5]), (3, 19, [6, 7])],
-        1: [(4, 33, [8, 9, 10]), (5, 2, [11])],
-    }
+    lanes = TWO_LANES
     out: dict[int, list[int]] = {}
     computed: dict[int, int] = {}
     step_id = 0
@@ -178,3 +194,30 @@ def test_cuda_sbo_streams_and_graphs_generate_what_the_plain_runner_generates(
     overlapped = ModelRunner(model, kv_cache, BLOCK_SIZE, device, streams=streams, graphs=graph_sets)
     assert generate_on_two_lanes(overlapped, overlap=True) == expected
     assert all(graphs.replays == 12 for graphs in graph_sets)  # every decode step of both lanes
+
+
+@pytest.mark.gpu
+def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    """The whole CUDA SBO loop in one thread (the worker's default with --sbo on CUDA): inputs on
+    the data stream, lanes on two compute streams with graphs, replies made as the tokens land.
+    Some staging hides behind a step still computing."""
+    model, kv_cache = cuda_model(tiny)
+    device = torch.device("cuda")
+    expected = generate_on_two_lanes(ModelRunner(model, kv_cache, BLOCK_SIZE, device), overlap=False)
+    graph_sets = [
+        DecodeGraphs(model, kv_cache, BLOCK_SIZE, tiny[0].context_length, [1, 2, 4]) for _ in range(2)
+    ]
+    for graphs in graph_sets:
+        graphs.capture()
+    runner = ModelRunner(
+        model, kv_cache, BLOCK_SIZE, device, streams=CudaStreams(device, compute_streams=2), graphs=graph_sets
+    )
+    tokens, results = two_lanes_through_pipeline(
+        lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=True), 12, vocab_size=512
+    )
+    assert tokens == expected
+    assert all(graphs.replays == 12 for graphs in graph_sets)
+    assert all(r.compute_seconds > 0 for r in results)
+    assert any(r.exposed_staging_seconds < r.staging_seconds for r in results)

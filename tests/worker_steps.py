@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.pipeline import StepPipeline
 from protos import worker_pb2
 
 TINY_LLAMA = {
@@ -55,3 +60,83 @@ def prompt_step(
             )
         )
     return step
+
+
+def decode_step(step_id: int, lane: int, computed: dict[int, int]) -> worker_pb2.Step:
+    step = worker_pb2.Step(step_id=step_id, lane=lane)
+    for seq_id, num_computed in computed.items():
+        step.running.append(
+            worker_pb2.RunningSequence(seq_id=seq_id, num_computed_tokens=num_computed, num_new_tokens=1)
+        )
+    return step
+
+
+def tokens_of(result: worker_pb2.StepResult) -> dict[int, int]:
+    seq_ids = np.frombuffer(result.seq_ids, "<u8").tolist()
+    return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
+
+
+# Two DBO lanes: lane 0 runs sequences 1-3, lane 1 sequences 4-5 (seq_id, prompt length, blocks).
+TWO_LANES = {
+    0: [(1, 40, [0, 1, 2, 3]), (2, 7, [4, 5]), (3, 19, [6, 7])],
+    1: [(4, 33, [8, 9, 10]), (5, 2, [11])],
+}
+
+_addresses = itertools.count()
+
+
+def two_lanes_through_pipeline(
+    make_pipeline: Callable[[zmq.Socket], StepPipeline], decodes: int, vocab_size: int
+) -> tuple[dict[int, list[int]], list[worker_pb2.StepResult]]:
+    """Drive a real StepPipeline over a socket as the scheduler drives DBO: both lanes' prompts at
+    once, then each lane's next decode step as soon as its previous result is back, `decodes` per
+    lane. Returns every sequence's tokens and the results in arrival order."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    address = f"inproc://duoserve-test-two-lanes-{next(_addresses)}"
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind(address)
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect(address)
+    thread = threading.Thread(target=make_pipeline(worker_side).run, daemon=True)
+    thread.start()
+
+    def send(step: worker_pb2.Step) -> None:
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=step).SerializeToString())
+
+    tokens: dict[int, list[int]] = {}
+    results: list[worker_pb2.StepResult] = []
+    computed = {seq_id: length for seqs in TWO_LANES.values() for seq_id, length, _ in seqs}
+    left = dict.fromkeys(TWO_LANES, decodes)
+    step_ids = itertools.count(1)
+    try:
+        for lane, seqs in TWO_LANES.items():
+            send(prompt_step(next(step_ids), seqs, lane=lane, vocab_size=vocab_size))
+        outstanding = len(TWO_LANES)
+        while outstanding:
+            assert scheduler_side.poll(30_000), "the pipeline stopped answering"
+            message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+            assert message.WhichOneof("kind") == "result", message
+            result = message.result
+            results.append(result)
+            outstanding -= 1
+            for seq_id, token in tokens_of(result).items():
+                tokens.setdefault(seq_id, []).append(token)
+                computed[seq_id] += 1
+            if left[result.lane]:
+                left[result.lane] -= 1
+                mine = {seq_id: computed[seq_id] - 1 for seq_id, _, _ in TWO_LANES[result.lane]}
+                send(decode_step(next(step_ids), result.lane, mine))
+                outstanding += 1
+        # A step naming a sequence the worker does not hold gets an error naming the step.
+        send(decode_step(999, 0, {77: 3}))
+        assert scheduler_side.poll(30_000)
+        error = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+        assert error.WhichOneof("kind") == "error" and error.error.step_id == 999, error
+        assert "sequence 77" in error.error.message
+    finally:
+        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
+        thread.join(timeout=30)
+        scheduler_side.close(linger=0)
+        worker_side.close(linger=0)
+    assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
+    return tokens, results
