@@ -199,13 +199,22 @@ def test_cuda_sbo_streams_and_graphs_generate_what_the_plain_runner_generates(
 
 
 class BusyDevice(ModelRunner):
-    """A real CUDA runner that keeps its compute stream busy ~10 ms before each step's work, so the
-    next step is surely staged while the device still computes."""
+    """A real CUDA runner that gives its compute stream a few milliseconds of matrix multiplies
+    before each step's work, so the next step is surely staged while the device still computes."""
+
+    busy_input: torch.Tensor
+    busy: list[tuple[torch.cuda.Event, torch.cuda.Event]]  # each busy stretch's begin and end
 
     def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
         if self.streams is not None and staged.batch is not None:
-            with torch.cuda.stream(self.streams.for_lane(staged.lane)):
-                torch.cuda._sleep(20_000_000)  # GPU clock cycles
+            stream = self.streams.for_lane(staged.lane)
+            with torch.cuda.stream(stream):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+                for _ in range(4):
+                    torch.mm(self.busy_input, self.busy_input)
+                end.record(stream)
+            self.busy.append((begin, end))
         return super().execute(staged, yield_point)
 
 
@@ -225,6 +234,9 @@ def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
     runner = BusyDevice(
         model, kv_cache, BLOCK_SIZE, device, streams=CudaStreams(device, compute_streams=1), graphs=[graphs]
     )
+    runner.busy_input = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()  # the compute stream reads it
+    runner.busy = []
     tokens, results = two_lanes_through_pipeline(
         lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=True), 12, vocab_size=512
     )
@@ -232,4 +244,9 @@ def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
     assert graphs.replays == 24  # every decode step of both lanes
     assert all(r.compute_seconds > 0 for r in results)  # GPU time from the step's events
     exposed = [r for r in results if r.exposed_staging_seconds > 0]
-    assert len(exposed) <= 2, [(r.step_id, r.staging_seconds, r.exposed_staging_seconds) for r in results]
+    torch.cuda.synchronize()
+    assert len(exposed) <= 2, (
+        f"busy stretches {[begin.elapsed_time(end) for begin, end in runner.busy[:4]]} ms; "
+        "step, staging, exposed: "
+        f"{[(r.step_id, r.staging_seconds, r.exposed_staging_seconds) for r in results[:8]]}"
+    )
