@@ -39,6 +39,10 @@ def save_tiny_llama(path: Path, **overrides: Any) -> tuple[ModelConfig, dict[str
     return load_model(path)
 
 
+# Greedy sampling as the scheduler sends it (validation fills in every default).
+GREEDY = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
+
+
 def prompt_step(
     step_id: int,
     seqs: list[tuple[int, int, list[int]]],
@@ -57,6 +61,7 @@ def prompt_step(
                 prompt_len=length,
                 block_ids=np.asarray(blocks, dtype="<i4").tobytes(),
                 num_new_tokens=length,
+                sampling=GREEDY,
             )
         )
     return step
