@@ -26,7 +26,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     kv_cache_memory: float = 0.0
     threads: int = 0
-    sbo: bool | None = None  # None: by device (see uses_sbo)
+    sbo: bool = True
     sbo_depth: int = 2
     compute_streams: int = 1
     sbo_switch_interval_ms: float = 0.2
@@ -92,14 +92,6 @@ class WorkerConfig:
             self.scheduler_address,
             "an ipc:// or tcp:// address",
         )
-
-
-def uses_sbo(config: WorkerConfig, device_type: str) -> bool:
-    """SBO unless switched off; unset, on for a CPU worker and off on CUDA. On an H200 serving
-    SmolLM2-135M the worker's loop is bound by Python on the host, and SBO's three threads (stage,
-    launch, reply) took 2.5x longer per batch than one thread doing all three (bench/results/
-    issue4-gpu-check.md); on a CPU the forward holds no lock that staging needs."""
-    return config.sbo if config.sbo is not None else device_type == "cpu"
 
 
 def _check(ok: bool, flag: str, value: object, allowed: str) -> None:

@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
-from gpu_worker.config import WorkerConfig, uses_sbo
+from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.loader import ModelConfig, load_model
@@ -287,7 +287,7 @@ def _run(config: WorkerConfig) -> int:
         )
         # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
         # asynchronously. Without SBO everything runs on the default stream, one step at a time.
-        sbo = uses_sbo(config, device.type)
+        sbo = config.sbo
         if device.type == "cuda" and not sbo and config.compute_streams > 1:
             log.warning(
                 "--compute-streams %d needs --sbo on CUDA; one stream is used", config.compute_streams

@@ -138,8 +138,8 @@ WORKER_FLAGS = (
     Flag(
         "--sbo",
         bool,
-        None,
-        "stage the next batch while the current one computes (unset: on for a CPU worker, off on CUDA)",
+        True,
+        "stage the next batch while the current one computes",
     ),
     Flag("--sbo-depth", int, 2, "steps staged ahead of the one computing (1-4)"),
     Flag("--compute-streams", int, 1, "CUDA: compute streams, DBO lanes spread over them (1-4)"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.config import uses_sbo
 from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, scheduler_config, worker_config
 from scheduler.config import ConfigError, SchedulerConfig
 from scheduler.launcher import flags_to_argv
@@ -39,10 +38,9 @@ def test_config_validation_names_the_flag_and_range() -> None:
 def test_worker_config_checks_its_flags() -> None:
     args = parse(["worker", "--model", "m.gguf", "--scheduler-address", "tcp://127.0.0.1:5555"])
     config = worker_config(args)
-    assert config.scheduler_address == "tcp://127.0.0.1:5555" and config.sbo is None
-    assert uses_sbo(config, "cpu") and not uses_sbo(config, "cuda")
-    forced = worker_config(parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--sbo"]))
-    assert uses_sbo(forced, "cuda")
+    assert config.scheduler_address == "tcp://127.0.0.1:5555" and config.sbo and not config.sbo_threads
+    off = worker_config(parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--no-sbo"]))
+    assert not off.sbo
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         worker_config(
             parse(["worker", "--model", "m", "--scheduler-address", "ipc:///x", "--kv-cache-memory", "2"])
