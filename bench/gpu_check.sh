@@ -12,9 +12,9 @@
 # 3. the decode-attention microbenchmark (kernel vs gather + SDPA, launched and graph-replayed,
 #    fraction of peak bandwidth);
 # 4. the end-to-end benchmark, 64 x 256 in x 128 out and one stream, on the default GPU config
-#    (SBO off, CUDA graphs on, DBO on) and with SBO on: in one thread (with DBO off, and with
-#    two compute streams), on threads (with 0.2 ms and Python's own 5 ms switch interval), and
-#    with CUDA graphs off; transformers beside it.
+#    (SBO in one thread, CUDA graphs on, DBO on), then with SBO off, DBO off, two compute
+#    streams, SBO on threads (0.2 ms and Python's own 5 ms switch interval) and CUDA graphs
+#    off; transformers beside it.
 #
 # GPU_CHECK_STEPS="tests-kernels bench-decode" runs a subset (the table covers every log under
 # $GPU_CHECK_OUT, so a check split over two runs on one machine still prints one table).
@@ -70,9 +70,9 @@ run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_pa
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
 run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \
-    --configs "dtype=bfloat16" "dtype=bfloat16,sbo" "dtype=bfloat16,sbo,max-inflight=1" \
-    "dtype=bfloat16,sbo,compute-streams=2" "dtype=bfloat16,sbo,sbo-threads" \
-    "dtype=bfloat16,sbo,sbo-threads,sbo-switch-interval-ms=5" "dtype=bfloat16,sbo,no-cuda-graphs" \
+    --configs "dtype=bfloat16" "dtype=bfloat16,no-sbo" "dtype=bfloat16,max-inflight=1" \
+    "dtype=bfloat16,compute-streams=2" "dtype=bfloat16,sbo-threads" \
+    "dtype=bfloat16,sbo-threads,sbo-switch-interval-ms=5" "dtype=bfloat16,no-cuda-graphs" \
     --json "$OUT/serving.json"
 
 "$PY" - "$OUT" <<'PY'
