@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
+from kernels.cpu_stack import CpuDecodeStack
 
 
 class FusedOps(Protocol):
@@ -180,19 +181,26 @@ class CpuPagedAttention(TorchPagedAttention):
         head_dim: int,
         kernel: CpuDecodeAttention,
         fused_ops: CpuFusedOps | None = None,
+        decode_stack: CpuDecodeStack | None = None,
     ) -> None:
+        """`decode_stack` (with `fused_ops`, bfloat16): decode steps of one or two sequences run
+        every layer in one C call (kernels/cpu_stack.py)."""
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
         self.fused_ops = fused_ops
+        self.decode_stack = decode_stack if fused_ops is not None else None
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
     ) -> torch.Tensor:  # [D, H, Dh]
-        # The kernel trusts block ids and lengths; check them once per batch, not once per layer.
+        self.check_once(meta, k_cache)
+        return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens)
+
+    def check_once(self, meta: DecodeAttention, k_cache: torch.Tensor) -> None:
+        """The kernels trust block ids and lengths: check them once per batch, not once per layer."""
         if getattr(self._local, "checked", None) is not meta:
             check_block_tables(meta.block_tables, meta.context_lens, k_cache.shape[0], k_cache.shape[1])
             self._local.checked = meta
-        return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens)
 
 
 class TritonPagedAttention:

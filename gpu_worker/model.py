@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import FusedOps, TorchPagedAttention, TritonPagedAttention
+from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import make_linear, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
-from kernels.cpu_linear import SmallBatchLinear
+from kernels.cpu_fused import CpuFusedOps
+from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear
+from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -223,6 +225,7 @@ class LlamaModel(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self.lm_head_linear = make_linear(self.lm_head, None, packed=False)
+        self._bound_stack: tuple[tuple[object, int, int], BoundStack] | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -313,6 +316,22 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
+        stack = self._decode_stack(batch, kv_caches)
+        if stack is not None and batch.decode is not None and isinstance(self.attention, CpuPagedAttention):
+            self.attention.check_once(batch.decode, kv_caches[0][0])
+            assert isinstance(ops, CpuFusedOps)
+            cos, sin = ops.cos_sin(batch.positions, self.inv_freq)
+            x = stack.run(
+                x,
+                residual,
+                cos,
+                sin,
+                batch.slot_mapping,
+                batch.decode.block_tables,
+                batch.decode.context_lens,
+                yield_point,
+            )
+            return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()
         norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
             x = layer.forward_fused(
@@ -321,3 +340,41 @@ class LlamaModel(nn.Module):
             if yield_point is not None:
                 yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()
+
+    def _decode_stack(
+        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> BoundStack | None:
+        """The one-call decode stack for this step (CPU, bfloat16, small-batch linears on, a decode
+        of at most MAX_ROWS sequences), bound to these KV caches on first use; else None."""
+        stack = getattr(self.attention, "decode_stack", None)
+        if (
+            stack is None
+            or not self.small_batch_linears
+            or batch.decode is None
+            or batch.prefills
+            or batch.num_tokens > MAX_ROWS
+        ):
+            return None
+        key = (stack, kv_caches[0][0].data_ptr(), len(kv_caches))
+        if self._bound_stack is None or self._bound_stack[0] != key:
+            layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+            norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
+            bound = stack.bind(
+                [
+                    StackLayer(
+                        qkv_weight=layer.qkv_weight.detach(),
+                        qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.detach(),
+                        o_weight=layer.o_weight.detach(),
+                        post_norm=layer.post_attention_layernorm.weight.detach(),
+                        gate_up_weight=layer.gate_up_weight.detach(),
+                        down_weight=layer.down_weight.detach(),
+                        next_norm=norm.detach(),
+                        k_cache=k_cache,
+                        v_cache=v_cache,
+                    )
+                    for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True)
+                ],
+                self.config.rms_norm_eps,
+            )
+            self._bound_stack = (key, bound)
+        return self._bound_stack[1]

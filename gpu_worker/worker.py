@@ -23,6 +23,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
+from gpu_worker.linear import small_batch_kernel
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
@@ -31,6 +32,7 @@ from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
+from kernels.cpu_stack import load_cpu_decode_stack
 from protos import worker_pb2
 from scheduler import curve, tracing
 
@@ -184,7 +186,15 @@ def make_attention(
     except KernelBuildError as exc:
         log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
         fused = None
-    return CpuPagedAttention(*shape, kernel=kernel, fused_ops=fused)
+    stack = None
+    if fused is not None and dtype == torch.bfloat16 and small_batch_kernel() is not None:
+        try:
+            stack = load_cpu_decode_stack(
+                model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size
+            )
+        except KernelBuildError as exc:
+            log.warning("CPU decode stack unavailable, small decode steps call each op: %s", exc)
+    return CpuPagedAttention(*shape, kernel=kernel, fused_ops=fused, decode_stack=stack)
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:

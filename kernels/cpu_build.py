@@ -2,7 +2,7 @@
 
 Each library is compiled for this CPU (`-march=native`) with its shape constants fixed by
 `-D` defines, into a cache directory (`$DUOSERVE_KERNEL_CACHE`, else
-`~/.cache/duoserve/kernels`) keyed by the source and the headers beside it, the flags, the
+`~/.cache/duoserve/kernels`) keyed by the sources and headers in kernels/cpu/, the flags, the
 compiler and the CPU, and
 loaded with ctypes after torch, so its OpenMP calls share torch's libgomp and thread pool.
 No compiler, or a CPU the source cannot target, raises `KernelBuildError`; callers then keep
@@ -71,7 +71,8 @@ def build(source_name: str, defines: dict[str, int]) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
-    headers = [header.read_text() for header in sorted(SOURCES.glob("*.h"))]  # what the sources include
+    # What the sources include: the headers, and the sources one library builds from others.
+    headers = [path.read_text() for path in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")])]
     digest = hashlib.sha256(
         "\0".join([source.read_text(), *headers, *flags, version, _cpu_identity()]).encode()
     ).hexdigest()[:20]

@@ -130,7 +130,7 @@ class CpuFusedOps:
         require(
             positions.shape[0] == q.shape[0] == k.shape[0], "positions", positions, f"{q.shape[0]} entries"
         )
-        cos, sin = self._cos_sin(positions, inv_freq)
+        cos, sin = self.cos_sin(positions, inv_freq)
         self._lib.duoserve_rotary(
             q.data_ptr(),
             q.stride(0),
@@ -145,7 +145,7 @@ class CpuFusedOps:
             torch.get_num_threads(),
         )
 
-    def _cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, D / 2] float32 tables, rounded to the element type as torch's rope rounds them; computed
         once per step (the same positions tensor), not once per layer."""
         last = getattr(self._angles, "last", None)

@@ -1,0 +1,300 @@
+"""A decode step of one or two sequences through every decoder layer in one C call (bfloat16, CPU).
+
+Single-stream decode reads each weight once per token; with the small-batch linear kernel that
+takes about 13 ms a token here for SmolLM2-135M, yet the per-op fused forward took ~24 ms: the
+rest was the cost of calling ~8 ops per layer from Python (~30 us each: checks, tensor
+allocation, the call). `kernels/cpu/decode_stack.c` calls the same C kernels in the same order
+on scratch buffers, so the results are the per-op path's, bit for bit, and the step pays one
+call (one per layer when the worker needs to run urgent steps between layers).
+
+Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
+step. Needs what the small-batch linear kernel needs (AVX-512 BF16); elsewhere
+`load_cpu_decode_stack` raises `KernelBuildError` and the model keeps its per-op forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels._launch import require
+from kernels.cpu_build import KernelBuildError, build, load
+from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
+from kernels.cpu_linear import MAX_ROWS
+
+_lock = threading.Lock()
+_loaded: dict[tuple[int, int, int], CpuDecodeStack] = {}
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv_weight", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_weight", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("gate_up_weight", ctypes.c_void_p),
+        ("down_weight", ctypes.c_void_p),
+        ("next_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("max_blocks", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos_table", ctypes.c_void_p),
+        ("sin_table", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class StackLayer:
+    """One decoder layer's tensors, as the per-op forward uses them."""
+
+    qkv_weight: torch.Tensor  # [q_size + 2 kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_weight: torch.Tensor  # [2 ffn, hidden]
+    down_weight: torch.Tensor  # [hidden, ffn]
+    next_norm: torch.Tensor  # [hidden]: the next layer's input norm, or the final norm
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+
+
+class BoundStack:
+    """A model's layers and KV cache bound to the kernel; `run` one decode step through them."""
+
+    def __init__(self, stack: CpuDecodeStack, layers: Sequence[StackLayer], eps: float) -> None:
+        self.stack = stack
+        self.eps = eps
+        self._tensors = list(layers)  # the pointers below stay valid while these live
+        first = layers[0]
+        self.hidden = first.qkv_weight.shape[1]
+        self.num_kv_heads = first.k_cache.shape[2]
+        self.kv_size = self.num_kv_heads * stack.head_dim
+        self.q_size = self.kv_size * stack.group
+        self.ffn = first.down_weight.shape[1]
+        self.num_slots = first.k_cache.shape[0] * first.k_cache.shape[1]
+        for index, layer in enumerate(layers):
+            self._check(index, layer)
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    layer.qkv_weight.data_ptr(),
+                    None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
+                    layer.o_weight.data_ptr(),
+                    layer.post_norm.data_ptr(),
+                    layer.gate_up_weight.data_ptr(),
+                    layer.down_weight.data_ptr(),
+                    layer.next_norm.data_ptr(),
+                    layer.k_cache.data_ptr(),
+                    layer.v_cache.data_ptr(),
+                )
+                for layer in layers
+            )
+        )
+        self._scratch = threading.local()
+
+    def _check(self, index: int, layer: StackLayer) -> None:
+        hidden, q_size, kv_size, ffn = self.hidden, self.q_size, self.kv_size, self.ffn
+        expected = {
+            "qkv_weight": (q_size + 2 * kv_size, hidden),
+            "qkv_bias": (q_size + 2 * kv_size,),
+            "o_weight": (hidden, q_size),
+            "post_norm": (hidden,),
+            "gate_up_weight": (2 * ffn, hidden),
+            "down_weight": (hidden, ffn),
+            "next_norm": (hidden,),
+        }
+        for name, shape in expected.items():
+            tensor = getattr(layer, name)
+            if tensor is None:
+                continue
+            require(
+                tuple(tensor.shape) == shape
+                and tensor.dtype == torch.bfloat16
+                and tensor.is_contiguous()
+                and tensor.device.type == "cpu",
+                f"layers[{index}].{name}",
+                tensor,
+                f"a contiguous bfloat16 CPU tensor of shape {shape}",
+            )
+        require(
+            hidden % 32 == 0 and q_size % 32 == 0 and ffn % 32 == 0 and kv_size % 16 == 0,
+            f"layers[{index}].qkv_weight",
+            layer.qkv_weight,
+            "hidden, q_size and ffn multiples of 32, kv_size of 16 (the small-batch linear's tiling)",
+        )
+        cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
+        for name in ("k_cache", "v_cache"):
+            cache = getattr(layer, name)
+            require(
+                tuple(cache.shape) == cache_shape and cache.dtype == torch.bfloat16 and cache.is_contiguous(),
+                f"layers[{index}].{name}",
+                cache,
+                f"a contiguous bfloat16 tensor of shape {cache_shape}",
+            )
+
+    def run(
+        self,
+        x: torch.Tensor,  # [rows, hidden]: the first layer's normed input; overwritten
+        residual: torch.Tensor,  # [rows, hidden]: updated in place
+        cos: torch.Tensor,  # [rows, head_dim / 2] float32, rounded to bfloat16 (CpuFusedOps.cos_sin)
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [rows] int64
+        block_tables: torch.Tensor,  # [rows, max_blocks] int32, checked (check_block_tables)
+        context_lens: torch.Tensor,  # [rows] int32
+        between_layers: Callable[[], None] | None = None,
+    ) -> torch.Tensor:  # x, holding the final norm of the residual
+        """One decode token per row through every layer. Block ids and context lengths are trusted
+        (check them once per batch); slots are checked against the cache. `between_layers`: called
+        after each layer (one C call per layer then, instead of one for the whole stack)."""
+        rows = x.shape[0]
+        hidden = self.hidden
+        for name, tensor in (("x", x), ("residual", residual)):
+            require(
+                tensor.shape == (rows, hidden) and tensor.dtype == torch.bfloat16 and tensor.is_contiguous(),
+                name,
+                tensor,
+                f"a contiguous bfloat16 [rows, {hidden}] tensor",
+            )
+        require(1 <= rows <= MAX_ROWS, "x", x, f"1..{MAX_ROWS} rows")
+        half = self.stack.head_dim // 2
+        for name, table in (("cos", cos), ("sin", sin)):
+            require(
+                table.shape == (rows, half) and table.dtype == torch.float32 and table.is_contiguous(),
+                name,
+                table,
+                f"a contiguous float32 [{rows}, {half}] tensor",
+            )
+        require(
+            slots.shape == (rows,) and slots.dtype == torch.int64 and slots.is_contiguous(),
+            "slots",
+            slots,
+            f"contiguous int64 [{rows}]",
+        )
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            raise ValueError(f"slots: expected each in [0, {self.num_slots}), got {slots.tolist()}")
+        require(
+            block_tables.dim() == 2
+            and block_tables.shape[0] == rows
+            and block_tables.dtype == torch.int32
+            and block_tables.is_contiguous(),
+            "block_tables",
+            block_tables,
+            f"contiguous int32 [{rows}, max_blocks]",
+        )
+        require(
+            context_lens.shape == (rows,)
+            and context_lens.dtype == torch.int32
+            and context_lens.is_contiguous(),
+            "context_lens",
+            context_lens,
+            f"contiguous int32 [{rows}]",
+        )
+        step = _Step(
+            rows,
+            hidden,
+            self.num_kv_heads,
+            self.ffn,
+            block_tables.shape[1],
+            self.eps,
+            self.stack.head_dim**-0.5,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            self._scratch_for(rows).data_ptr(),
+        )
+        threads = torch.get_num_threads()
+        function = self.stack.function
+        base, step_address = ctypes.addressof(self._layers), ctypes.addressof(step)
+        if between_layers is None:
+            function(base, len(self._tensors), step_address, x.data_ptr(), residual.data_ptr(), threads)
+            return x
+        size = ctypes.sizeof(_Layer)
+        for index in range(len(self._tensors)):
+            function(base + index * size, 1, step_address, x.data_ptr(), residual.data_ptr(), threads)
+            between_layers()
+        return x
+
+    def _scratch_for(self, rows: int) -> torch.Tensor:
+        """Per thread (two lanes may decode at once), sized for MAX_ROWS rows."""
+        scratch: torch.Tensor | None = getattr(self._scratch, "buffer", None)
+        if scratch is None:
+            per_row = self.q_size + 2 * self.kv_size + 2 * self.q_size + 3 * self.ffn + self.hidden
+            scratch = torch.empty(MAX_ROWS * per_row, dtype=torch.bfloat16)
+            self._scratch.buffer = scratch
+        return scratch
+
+
+class CpuDecodeStack:
+    """The loaded kernel for one attention shape (head_dim, group, block_size)."""
+
+    def __init__(self, function: Callable[..., None], head_dim: int, group: int, block_size: int) -> None:
+        self.function = function
+        self.head_dim = head_dim
+        self.group = group
+        self.block_size = block_size
+
+    def bind(self, layers: Sequence[StackLayer], eps: float) -> BoundStack:
+        require(len(layers) > 0, "layers", layers[0].qkv_weight if layers else torch.empty(0), "at least one")
+        return BoundStack(self, layers, eps)
+
+
+def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDecodeStack:
+    """Build (or find in the cache) and load the stack for this attention shape (bfloat16)."""
+    if not (
+        8 <= head_dim <= MAX_HEAD_DIM
+        and head_dim % 8 == 0
+        and 1 <= group <= MAX_GROUP
+        and 1 <= block_size <= MAX_BLOCK_SIZE
+    ):
+        raise KernelBuildError(
+            f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
+        )
+    key = (head_dim, group, block_size)
+    with _lock:
+        if key not in _loaded:
+            path = build(
+                "decode_stack.c",
+                {
+                    "HEAD_DIM": head_dim,
+                    "GROUP": group,
+                    "BLOCK": block_size,
+                    "ELEM_BF16": 1,
+                    "MAX_ROWS": MAX_ROWS,
+                },
+            )
+            function = load(path).duoserve_decode_stack
+            function.restype = None
+            function.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int,
+            ]
+            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size)
+        return _loaded[key]
+
+
+__all__ = ["BoundStack", "CpuDecodeStack", "KernelBuildError", "StackLayer", "load_cpu_decode_stack"]

@@ -1,0 +1,178 @@
+"""The one-call CPU decode stack against the per-op fused forward it replaces: the same bits."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_worker.attention import CpuPagedAttention
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.kv_cache import KVCache, allocate_kv_cache
+from gpu_worker.loader import ModelConfig
+from gpu_worker.model import LlamaModel
+from gpu_worker.worker import make_attention
+from kernels.cpu_stack import BoundStack, StackLayer, load_cpu_decode_stack
+from tests.test_cpu_linear_kernel import has_avx512_bf16
+from tests.worker_steps import save_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+# Only a CPU without AVX-512 BF16 cannot run the stack (its linears need it).
+pytestmark = pytest.mark.skipif(not has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
+
+BLOCK_SIZE = 8
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["llama", "qkv-bias"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), attention_bias=request.param)
+
+
+def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaModel, KVCache]:
+    config, weights = tiny
+    model = LlamaModel(config, torch.bfloat16, CPU)
+    model.load_weights(weights)
+    attention = make_attention("cpu", config, torch.bfloat16, CPU, BLOCK_SIZE)
+    assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
+    if not stack:
+        attention.decode_stack = None
+    model.use_attention(attention)
+    return model, allocate_kv_cache(config, 40, BLOCK_SIZE, torch.bfloat16, CPU)
+
+
+class CountingRuns:
+    """Counts BoundStack.run calls and the layer boundaries it reports."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.runs = 0
+        original = BoundStack.run
+
+        def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.runs += 1
+            return original(bound, *args, **kwargs)
+
+        monkeypatch.setattr(BoundStack, "run", run)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("with_yield_points", [False, True])
+def test_the_stack_computes_the_per_op_forward_bit_for_bit(
+    tiny: tuple[ModelConfig, Any], rows: int, with_yield_points: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = CountingRuns(monkeypatch)
+    stacked, stacked_cache = bfloat16_model(tiny, stack=True)
+    per_op, per_op_cache = bfloat16_model(tiny, stack=False)
+    # Prompts of 7 and 14 tokens: their decodes cross block boundaries (8, 16) within 12 steps.
+    tables = [list(range(0, 4)), list(range(4, 8))]
+    prompts = [[(7 * i + 3 * s) % 250 + 3 for i in range(length)] for s, length in enumerate((7, 14))][:rows]
+    prefill = [ScheduledChunk(p, 0, tables[s], True) for s, p in enumerate(prompts)]
+    batch = build_forward_batch(prefill, BLOCK_SIZE, CPU)
+    first = stacked(batch, stacked_cache)
+    assert torch.equal(first, per_op(batch, per_op_cache))
+    assert counting.runs == 0  # prefill chunks take the per-op path
+    tokens = first.argmax(-1).tolist()
+    lengths = [len(p) for p in prompts]
+    boundaries: list[int] = []
+    for _ in range(12):
+        decode = [ScheduledChunk([tokens[s]], lengths[s], tables[s], True) for s in range(rows)]
+        batch = build_forward_batch(decode, BLOCK_SIZE, CPU)
+        yield_point = (lambda: boundaries.append(1)) if with_yield_points else None
+        logits = stacked(batch, stacked_cache, yield_point)
+        assert torch.equal(logits, per_op(batch, per_op_cache))
+        tokens = logits.argmax(-1).tolist()
+        lengths = [n + 1 for n in lengths]
+    assert counting.runs == 12
+    assert len(boundaries) == (12 * tiny[0].num_layers if with_yield_points else 0)
+    for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def test_three_rows_take_the_per_op_path(
+    tiny: tuple[ModelConfig, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counting = CountingRuns(monkeypatch)
+    model, cache = bfloat16_model(tiny, stack=True)
+    decode = [ScheduledChunk([5], 3, [s], True) for s in range(3)]
+    model(build_forward_batch(decode, BLOCK_SIZE, CPU), cache)
+    assert counting.runs == 0
+
+
+def layers_of(model: LlamaModel, cache: KVCache) -> list[StackLayer]:
+    model_layers = list(model.layers)
+    norms = [layer.input_layernorm.weight for layer in model_layers[1:]] + [model.norm.weight]
+    return [
+        StackLayer(
+            layer.qkv_weight.detach(),
+            None if layer.qkv_bias is None else layer.qkv_bias.detach(),
+            layer.o_weight.detach(),
+            layer.post_attention_layernorm.weight.detach(),
+            layer.gate_up_weight.detach(),
+            layer.down_weight.detach(),
+            norm.detach(),
+            k,
+            v,
+        )
+        for layer, norm, (k, v) in zip(model_layers, norms, cache, strict=True)
+    ]
+
+
+def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) -> None:
+    config = tiny[0]
+    model, cache = bfloat16_model(tiny, stack=True)
+    stack = load_cpu_decode_stack(config.head_dim, config.num_heads // config.num_kv_heads, BLOCK_SIZE)
+    layers = layers_of(model, cache)
+    wrong = StackLayer(
+        **{
+            **{f: getattr(layers[1], f) for f in StackLayer.__dataclass_fields__},
+            "o_weight": layers[1].o_weight.float(),
+        }
+    )
+    with pytest.raises(ValueError, match=r"layers\[1\]\.o_weight"):
+        stack.bind([layers[0], wrong, *layers[2:]], config.rms_norm_eps)
+    bound = stack.bind(layers, config.rms_norm_eps)
+    half = config.head_dim // 2
+    x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
+    args = {
+        "x": x,
+        "residual": x.clone(),
+        "cos": torch.ones(1, half),
+        "sin": torch.zeros(1, half),
+        "slots": torch.tensor([3]),
+        "block_tables": torch.zeros(1, 1, dtype=torch.int32),
+        "context_lens": torch.tensor([4], dtype=torch.int32),
+    }
+    num_slots = cache[0][0].shape[0] * BLOCK_SIZE
+    with pytest.raises(ValueError, match="slots"):
+        bound.run(**{**args, "slots": torch.tensor([num_slots])})
+    with pytest.raises(ValueError, match="x"):
+        bound.run(**{**args, "x": torch.zeros(3, config.hidden_size, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="cos"):
+        bound.run(**{**args, "cos": torch.ones(1, half, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="context_lens"):
+        bound.run(**{**args, "context_lens": torch.tensor([4])})
+    out = bound.run(**args)
+    assert out.shape == x.shape and bool(torch.isfinite(out.float()).all())
+
+
+def test_changing_an_included_source_rebuilds_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_stack.c includes the other kernels' sources, so the cache key must cover them."""
+    from kernels import cpu_build
+
+    sources = tmp_path / "cpu"
+    shutil.copytree(cpu_build.SOURCES, sources)
+    monkeypatch.setattr(cpu_build, "SOURCES", sources)
+    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    defines = {"HEAD_DIM": 16, "GROUP": 2, "BLOCK": 8, "ELEM_BF16": 1, "MAX_ROWS": 2}
+    before = cpu_build.build("decode_stack.c", defines)
+    assert cpu_build.build("decode_stack.c", defines) == before  # cached
+    included = sources / "fused_ops.c"
+    included.write_text(included.read_text() + "\n/* changed */\n")
+    after = cpu_build.build("decode_stack.c", defines)
+    assert after != before and after.exists()
