@@ -61,6 +61,27 @@ def test_kernel_matches_reference_at_block_edges(
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_sequence_and_per_head_work_items_give_the_same_bits(dtype: torch.dtype) -> None:
+    """With at least 4 sequences per thread the kernel gives each thread whole sequences (every
+    kv head's rows read front to back); fewer, it shares out (sequence, kv head) items. Each
+    head's arithmetic is the same either way."""
+    lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48]
+    q, k_cache, v_cache, tables, lens = make_case(lengths, 16, 3, 3, 64, dtype, seed=5)
+    kernel = load_cpu_decode_attention(64, 3, 16, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        whole = kernel(q, k_cache, v_cache, tables, lens)  # 10 sequences >= 4 per thread
+        for row in range(len(lengths)):
+            one = kernel(q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lens[row : row + 1])
+            assert torch.equal(one, whole[row : row + 1]), row
+    finally:
+        torch.set_num_threads(threads)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_kernel_matches_reference_over_a_long_context_and_large_scores() -> None:
     # 2049 tokens (128 blocks + 1) and scores in the hundreds: the online softmax must rescale stably.
     q, k_cache, v_cache, tables, lens = make_case([2049, 5], 16, 3, 3, 64, torch.float32, seed=3)
