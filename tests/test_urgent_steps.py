@@ -19,7 +19,7 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from gpu_worker.worker import make_attention
 from protos import worker_pb2
-from tests.worker_steps import prompt_step, save_tiny_llama
+from tests.worker_steps import prompt_step, save_tiny_llama, two_lanes_through_pipeline
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,13 +31,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[st
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def make_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> ModelRunner:
+def make_runner(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str, block_size: int = BLOCK_SIZE
+) -> ModelRunner:
     config, weights = tiny
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights)
-    model.use_attention(make_attention(backend, config, torch.float32, torch.device("cpu"), BLOCK_SIZE))
-    kv_cache = allocate_kv_cache(config, 64, BLOCK_SIZE, torch.float32, torch.device("cpu"))
-    return ModelRunner(model, kv_cache, BLOCK_SIZE, torch.device("cpu"))
+    model.use_attention(make_attention(backend, config, torch.float32, torch.device("cpu"), block_size))
+    kv_cache = allocate_kv_cache(config, 64, block_size, torch.float32, torch.device("cpu"))
+    return ModelRunner(model, kv_cache, block_size, torch.device("cpu"))
 
 
 def prefill_step(
@@ -161,29 +163,13 @@ class RecordsSwitchInterval(ModelRunner):
 def test_sbo_runs_its_threads_with_the_configured_switch_interval_and_restores_it(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]], sbo: bool
 ) -> None:
-    plain = make_runner(tiny, "torch")
-    runner = RecordsSwitchInterval(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
+    plain = make_runner(tiny, "torch", block_size=16)  # the block size TWO_LANES' tables are for
+    runner = RecordsSwitchInterval(plain.model, plain.kv_cache, 16, plain.device)
     runner.seen = []
     before = sys.getswitchinterval()
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    scheduler_side = context.socket(zmq.PAIR)
-    scheduler_side.bind(f"inproc://duoserve-test-switch-{sbo}")
-    worker_side = context.socket(zmq.PAIR)
-    worker_side.connect(f"inproc://duoserve-test-switch-{sbo}")
-    thread = threading.Thread(
-        target=StepPipeline(worker_side, runner, sbo=sbo, switch_interval=0.0003).run, daemon=True
+    two_lanes_through_pipeline(
+        lambda socket: StepPipeline(socket, runner, sbo=sbo, switch_interval=0.0003), 2, vocab_size=256
     )
-    thread.start()
-    try:
-        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_U)).SerializeToString())
-        assert scheduler_side.poll(10_000)
-        assert worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result.step_id == 1
-    finally:
-        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
-        thread.join(timeout=10)
-        scheduler_side.close(linger=0)
-        worker_side.close(linger=0)
-    assert not thread.is_alive()
     # Only SBO runs threads that hand the interpreter lock to one another.
-    assert runner.seen == [pytest.approx(0.0003 if sbo else before)]
+    assert runner.seen == [pytest.approx(0.0003 if sbo else before)] * 6
     assert sys.getswitchinterval() == before

@@ -81,7 +81,8 @@ def tokens_of(result: worker_pb2.StepResult) -> dict[int, int]:
     return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
 
 
-# Two DBO lanes: lane 0 runs sequences 1-3, lane 1 sequences 4-5 (seq_id, prompt length, blocks).
+# Two DBO lanes: lane 0 runs sequences 1-3, lane 1 sequences 4-5 (seq_id, prompt length, blocks of
+# 16 tokens, enough for 13 more).
 TWO_LANES = {
     0: [(1, 40, [0, 1, 2, 3]), (2, 7, [4, 5]), (3, 19, [6, 7])],
     1: [(4, 33, [8, 9, 10]), (5, 2, [11])],
