@@ -173,6 +173,7 @@ class CpuPagedAttention(TorchPagedAttention):
     call too (see TorchPagedAttention._write_kv), and the model runs its fused forward."""
 
     name = "cpu"
+    fused_ops: CpuFusedOps | None
 
     def __init__(
         self,

@@ -18,7 +18,6 @@ from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttentio
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import make_linear, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
-from kernels.cpu_fused import CpuFusedOps
 from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
@@ -316,50 +315,46 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
-        stack = self._decode_stack(batch, kv_caches)
-        if stack is not None and batch.decode is not None and isinstance(self.attention, CpuPagedAttention):
-            self.attention.check_once(batch.decode, kv_caches[0][0])
-            assert isinstance(ops, CpuFusedOps)
-            cos, sin = ops.cos_sin(batch.positions, self.inv_freq)
-            x = stack.run(
-                x,
-                residual,
-                cos,
-                sin,
-                batch.slot_mapping,
-                batch.decode.block_tables,
-                batch.decode.context_lens,
-                yield_point,
-            )
-            return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()
-        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
-            x = layer.forward_fused(
-                x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm, ops
-            )
-            if yield_point is not None:
-                yield_point()
+        stacked = self._run_decode_stack(x, residual, batch, kv_caches, yield_point)
+        if stacked is not None:
+            x = stacked
+        else:
+            norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+            for layer, kv_cache, next_norm in zip(layers, kv_caches, norms, strict=True):
+                x = layer.forward_fused(
+                    x, residual, batch.positions, self.inv_freq, kv_cache, batch, next_norm, ops
+                )
+                if yield_point is not None:
+                    yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()
 
-    def _decode_stack(
-        self, batch: ForwardBatch, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> BoundStack | None:
-        """The one-call decode stack for this step (CPU, bfloat16, small-batch linears on, a decode
-        of at most MAX_ROWS sequences), bound to these KV caches on first use; else None."""
-        stack = getattr(self.attention, "decode_stack", None)
+    def _run_decode_stack(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        yield_point: Callable[[], None] | None,
+    ) -> torch.Tensor | None:
+        """Every layer in one C call (kernels/cpu_stack.py) for a decode step of at most MAX_ROWS
+        sequences on the CPU backend in bfloat16 with small-batch linears; None (nothing done)
+        otherwise. The stack is bound to these KV caches on first use."""
+        attention = self.attention
         if (
-            stack is None
+            not isinstance(attention, CpuPagedAttention)
+            or attention.decode_stack is None
+            or attention.fused_ops is None
             or not self.small_batch_linears
             or batch.decode is None
             or batch.prefills
             or batch.num_tokens > MAX_ROWS
         ):
             return None
-        key = (stack, kv_caches[0][0].data_ptr(), len(kv_caches))
+        key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
             layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
             norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
-            bound = stack.bind(
+            bound = attention.decode_stack.bind(
                 [
                     StackLayer(
                         qkv_weight=layer.qkv_weight.detach(),
@@ -377,4 +372,15 @@ class LlamaModel(nn.Module):
                 self.config.rms_norm_eps,
             )
             self._bound_stack = (key, bound)
-        return self._bound_stack[1]
+        attention.check_once(batch.decode, kv_caches[0][0])
+        cos, sin = attention.fused_ops.cos_sin(batch.positions, self.inv_freq)
+        return self._bound_stack[1].run(
+            x,
+            residual,
+            cos,
+            sin,
+            batch.slot_mapping,
+            batch.decode.block_tables,
+            batch.decode.context_lens,
+            yield_point,
+        )
