@@ -83,7 +83,8 @@ SCHEDULER_FLAGS = (
     Flag("--max-batched-tokens", int, 2048, "token budget of one step"),
     Flag("--max-num-seqs", int, 256, "sequences in one step"),
     Flag("--prefill-chunk", int, 512, "longest prefill chunk of one sequence in one step"),
-    Flag("--max-inflight", int, 2, "batches in flight at once (DBO; 1 turns it off)"),
+    Flag("--dbo", bool, True, "dual batch overlap: keep --max-inflight batches in flight (--no-dbo: one)"),
+    Flag("--max-inflight", int, 2, "batches in flight at once with DBO (1 also turns it off)"),
     Flag(
         "--min-lane-seqs",
         int,

@@ -27,6 +27,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 2048
     max_num_seqs: int = 256
     prefill_chunk: int = 512
+    dbo: bool = True  # False: one batch in flight, whatever max_inflight says
     max_inflight: int = 2
     min_lane_seqs: int = 0  # 0 = by the worker's device (see lane_min_seqs)
     prefix_cache: bool = True
@@ -50,6 +51,11 @@ class SchedulerConfig:
     otlp_endpoint: str = ""
     otlp_protocol: str = ""  # "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc
     trace_sample_ratio: float = 1.0
+
+    @property
+    def lanes(self) -> int:
+        """Batches kept in flight at once: --max-inflight with DBO, one with --no-dbo."""
+        return self.max_inflight if self.dbo else 1
 
     def __post_init__(self) -> None:
         check_flag(1 <= self.port <= 65535, "--port", self.port, "1..65535")

@@ -86,7 +86,7 @@ class Engine:
         self._link = WorkerLink(config.worker_address, config.zmq_curve_secret, config.zmq_curve_authorized)
         self._requests: dict[int, Request] = {}
         self._inflight: dict[int, InflightBatch] = {}
-        self._free_lanes = list(range(config.max_inflight))
+        self._free_lanes = list(range(config.lanes))
         self._pending_releases: list[int] = []
         self._step_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -127,7 +127,7 @@ class Engine:
             max_batched_tokens=self.config.max_batched_tokens,
             max_num_seqs=self.config.max_num_seqs,
             prefill_chunk=self.config.prefill_chunk,
-            max_inflight=self.config.max_inflight,
+            max_inflight=self.config.lanes,
             min_lane_seqs=self.config.lane_min_seqs(ready.device),
             prefill_window=self.config.prefill_window_ms / 1000,
         )
@@ -447,7 +447,7 @@ class Engine:
         """The worker is gone: nothing is in flight any more and every lane is free."""
         self._inflight.clear()
         self._pending_releases.clear()
-        self._free_lanes = list(range(self.config.max_inflight))
+        self._free_lanes = list(range(self.config.lanes))
 
     def _requeue_everything(self) -> None:
         """The worker and its KV cache are gone: every request goes back to the queue, keeping its

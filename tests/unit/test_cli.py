@@ -19,6 +19,9 @@ def test_environment_sets_a_flag_and_the_command_line_wins() -> None:
     assert (args.max_inflight, args.dtype, args.sbo) == (4, "float32", False)
     args = parse(["serve", "--model", "m.gguf", "--max-inflight", "1", "--sbo"], env)
     assert (args.max_inflight, args.sbo) == (1, True)
+    no_dbo = scheduler_config(parse(["scheduler", "--model", "m.gguf", "--no-dbo", "--max-inflight", "4"]))
+    assert (no_dbo.dbo, no_dbo.max_inflight, no_dbo.lanes) == (False, 4, 1)
+    assert scheduler_config(parse(["scheduler", "--model", "m.gguf", "--max-inflight", "4"])).lanes == 4
 
 
 def test_bad_environment_value_names_the_variable(capsys: pytest.CaptureFixture[str]) -> None:

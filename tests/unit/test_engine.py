@@ -203,11 +203,17 @@ def test_queue_limits_refuse_at_submit_and_name_the_limit() -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("device", "most_in_flight"), [("cuda", 2), ("cpu", 1)])
-def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(device: str, most_in_flight: int) -> None:
+@pytest.mark.parametrize(
+    ("device", "dbo", "most_in_flight"), [("cuda", True, 2), ("cpu", True, 1), ("cuda", False, 1)]
+)
+def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(
+    device: str, dbo: bool, most_in_flight: int
+) -> None:
+    """With --no-dbo one batch is in flight even where --max-inflight allows two."""
+
     async def scenario() -> None:
         worker = ScriptedWorker(address(), device=device, step_seconds=0.02)
-        engine = await with_engine(worker, max_inflight=2)
+        engine = await with_engine(worker, max_inflight=2, dbo=dbo)
         requests = [make_request(engine, 3, max_tokens=12) for _ in range(6)]
         for request in requests:
             engine.submit(request)
