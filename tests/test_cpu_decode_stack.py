@@ -92,6 +92,32 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
 
+def test_a_step_run_between_layers_of_a_stacked_step_leaves_both_as_they_would_be_alone(
+    tiny: tuple[ModelConfig, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An urgent step runs at the block boundaries of the step in progress, on the same thread. A
+    one-token prompt is a decode row, so it takes the stack too, inside the other's run: the two
+    share the thread's scratch buffers, which hold nothing between layers."""
+    counting = CountingRuns(monkeypatch)
+    nested, nested_cache = bfloat16_model(tiny, stack=True)
+    alone, alone_cache = bfloat16_model(tiny, stack=True)
+    prompt = ScheduledChunk([5, 9, 14, 3, 77, 21, 8], 0, [0, 1], True)
+    for model, cache in ((nested, nested_cache), (alone, alone_cache)):
+        model(build_forward_batch([prompt], BLOCK_SIZE, CPU), cache)
+    outer = build_forward_batch([ScheduledChunk([40], 7, [0, 1], True)], BLOCK_SIZE, CPU)
+    inner = build_forward_batch([ScheduledChunk([42], 0, [5], True)], BLOCK_SIZE, CPU)  # a one-token prompt
+    inner_logits: list[torch.Tensor] = []
+
+    def run_inner_once() -> None:
+        if not inner_logits:
+            inner_logits.append(nested(inner, nested_cache))
+
+    outer_logits = nested(outer, nested_cache, run_inner_once)
+    assert counting.runs == 2 and len(inner_logits) == 1  # both took the stack
+    assert torch.equal(outer_logits, alone(outer, alone_cache))
+    assert torch.equal(inner_logits[0], alone(inner, alone_cache))
+
+
 def test_three_rows_take_the_per_op_path(
     tiny: tuple[ModelConfig, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
