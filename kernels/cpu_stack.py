@@ -255,7 +255,8 @@ class CpuDecodeStack:
         self.block_size = block_size
 
     def bind(self, layers: Sequence[StackLayer], eps: float) -> BoundStack:
-        require(len(layers) > 0, "layers", layers[0].qkv_weight if layers else torch.empty(0), "at least one")
+        if not layers:
+            raise ValueError("layers: expected at least one decoder layer, got none")
         return BoundStack(self, layers, eps)
 
 

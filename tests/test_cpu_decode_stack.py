@@ -158,6 +158,8 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
             "o_weight": layers[1].o_weight.float(),
         }
     )
+    with pytest.raises(ValueError, match="at least one decoder layer"):
+        stack.bind([], config.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[1\]\.o_weight"):
         stack.bind([layers[0], wrong, *layers[2:]], config.rms_norm_eps)
     bound = stack.bind(layers, config.rms_norm_eps)
