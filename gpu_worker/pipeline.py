@@ -29,6 +29,7 @@ urgent steps run in arrival order like any other.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import math
 import queue
@@ -121,11 +122,16 @@ class _StepQueue:
         self._ready = threading.Condition()
         self._steps: collections.deque[_Staged] = collections.deque()
         self._urgent: collections.deque[_Staged] = collections.deque()
+        # Set when an urgent step is queued, cleared by the compute thread before it takes them:
+        # C code that runs many layers in one call reads it at each boundary (kernels/cpu_stack.py).
+        self.urgent_pending = ctypes.c_int32(0)
 
     def put(self, item: _Staged) -> None:
         with self._ready:
             urgent = item.staged is not None and item.staged.urgent
             (self._urgent if urgent else self._steps).append(item)
+            if urgent:
+                self.urgent_pending.value = 1
             self._ready.notify()
 
     def get(self) -> _Staged:
@@ -143,6 +149,22 @@ class _StepQueue:
         """An urgent step waiting to run, without blocking."""
         with self._ready:
             return self._urgent.popleft() if self._urgent else None
+
+
+class _UrgentSteps:
+    """The compute thread's yield point between blocks: runs the urgent steps that have arrived.
+    `pending` is set while there are some, so a step that runs every layer in one C call stops
+    only at a boundary where there is work (kernels/cpu_stack.py, BoundStack.run)."""
+
+    def __init__(self, queue: _StepQueue, run: Callable[[_Staged], None]) -> None:
+        self.queue = queue
+        self.run = run
+        self.pending = queue.urgent_pending
+
+    def __call__(self) -> None:
+        self.pending.value = 0  # before taking: one queued after this sets it again
+        while (urgent := self.queue.take_urgent()) is not None:
+            self.run(urgent)
 
 
 def _step_span(staged: StagedStep) -> Span:
@@ -390,12 +412,13 @@ class StepPipeline:
 
             deliver, close = send_now, close_results
 
-        def run_urgent_steps() -> None:
-            """Between two blocks of the step in progress: run the urgent steps that arrived."""
-            while (urgent := staged_queue.take_urgent()) is not None:
-                started = time.perf_counter()
-                self._execute(urgent, timings, deliver, nested=True)
-                timings.nested_seconds += time.perf_counter() - started
+        def run_urgent(urgent: _Staged) -> None:
+            """Between two blocks of the step in progress: run one urgent step that arrived."""
+            started = time.perf_counter()
+            self._execute(urgent, timings, deliver, nested=True)
+            timings.nested_seconds += time.perf_counter() - started
+
+        run_urgent_steps = _UrgentSteps(staged_queue, run_urgent)
 
         try:
             while True:

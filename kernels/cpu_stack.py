@@ -5,7 +5,7 @@ takes about 13 ms a token here for SmolLM2-135M, yet the per-op fused forward to
 rest was the cost of calling ~8 ops per layer from Python (~30 us each: checks, tensor
 allocation, the call). `kernels/cpu/decode_stack.c` calls the same C kernels in the same order
 on scratch buffers, so the results are the per-op path's, bit for bit, and the step pays one
-call (one per layer when the worker needs to run urgent steps between layers).
+call (more only when the worker has urgent steps to run between layers).
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
 step. Needs what the small-batch linear kernel needs (AVX-512 BF16); elsewhere
@@ -163,8 +163,12 @@ class BoundStack:
         between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # x, holding the final norm of the residual
         """One decode token per row through every layer. Block ids and context lengths are trusted
-        (check them once per batch); slots are checked against the cache. `between_layers`: called
-        after each layer (one C call per layer then, instead of one for the whole stack)."""
+        (check them once per batch); slots are checked against the cache.
+
+        `between_layers`: work to do at layer boundaries (the worker's urgent steps). Called after
+        every layer (one C call per layer), unless it carries `pending`, a ctypes.c_int32 that
+        another thread sets while it has work: then all layers run in one call that stops only at
+        a boundary where `pending` is set, and `between_layers` (which clears it) runs there."""
         rows = x.shape[0]
         hidden = self.hidden
         for name, tensor in (("x", x), ("residual", residual)):
@@ -226,13 +230,31 @@ class BoundStack:
         threads = torch.get_num_threads()
         function = self.stack.function
         base, step_address = ctypes.addressof(self._layers), ctypes.addressof(step)
+        size, count = ctypes.sizeof(_Layer), len(self._tensors)
         if between_layers is None:
-            function(base, len(self._tensors), step_address, x.data_ptr(), residual.data_ptr(), threads)
+            function(base, count, step_address, x.data_ptr(), residual.data_ptr(), threads, None)
             return x
-        size = ctypes.sizeof(_Layer)
-        for index in range(len(self._tensors)):
-            function(base + index * size, 1, step_address, x.data_ptr(), residual.data_ptr(), threads)
-            between_layers()
+        pending: ctypes.c_int32 | None = getattr(between_layers, "pending", None)
+        if pending is None:
+            for index in range(count):
+                function(
+                    base + index * size, 1, step_address, x.data_ptr(), residual.data_ptr(), threads, None
+                )
+                between_layers()
+            return x
+        done = 0
+        while done < count:
+            done += function(
+                base + done * size,
+                count - done,
+                step_address,
+                x.data_ptr(),
+                residual.data_ptr(),
+                threads,
+                ctypes.addressof(pending),
+            )
+            if pending.value:
+                between_layers()
         return x
 
     def _scratch_for(self, rows: int) -> torch.Tensor:
@@ -248,7 +270,7 @@ class BoundStack:
 class CpuDecodeStack:
     """The loaded kernel for one attention shape (head_dim, group, block_size)."""
 
-    def __init__(self, function: Callable[..., None], head_dim: int, group: int, block_size: int) -> None:
+    def __init__(self, function: Callable[..., int], head_dim: int, group: int, block_size: int) -> None:
         self.function = function
         self.head_dim = head_dim
         self.group = group
@@ -285,7 +307,7 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                 },
             )
             function = load(path).duoserve_decode_stack
-            function.restype = None
+            function.restype = ctypes.c_int64  # layers run
             function.argtypes = [
                 ctypes.c_void_p,
                 ctypes.c_int64,
@@ -293,6 +315,7 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                 ctypes.c_void_p,
                 ctypes.c_void_p,
                 ctypes.c_int,
+                ctypes.c_void_p,
             ]
             _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size)
         return _loaded[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,47 @@ def test_a_step_run_between_layers_of_a_stacked_step_leaves_both_as_they_would_b
     assert counting.runs == 2 and len(inner_logits) == 1  # both took the stack
     assert torch.equal(outer_logits, alone(outer, alone_cache))
     assert torch.equal(inner_logits[0], alone(inner, alone_cache))
+
+
+class FlaggedBoundary:
+    """A yield point that carries `pending`: the stack runs every layer in one call and stops only
+    where the flag is set. This one keeps it set through its first call, so the stack stops again
+    after the next layer, then clears it."""
+
+    def __init__(self) -> None:
+        self.pending = ctypes.c_int32(1)  # set before the step starts: stop after the first layer
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            self.pending.value = 0
+
+
+def test_the_stack_stops_only_at_boundaries_where_its_yield_point_is_pending(
+    tiny: tuple[ModelConfig, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stacked, stacked_cache = bfloat16_model(tiny, stack=True)
+    per_op, per_op_cache = bfloat16_model(tiny, stack=False)
+    prompt = ScheduledChunk([5, 9, 14, 3, 77, 21, 8], 0, [0, 1], True)
+    for model, cache in ((stacked, stacked_cache), (per_op, per_op_cache)):
+        model(build_forward_batch([prompt], BLOCK_SIZE, CPU), cache)
+    calls: list[int] = []
+    function = stacked.attention.decode_stack.function  # type: ignore[union-attr]
+
+    def counted(*args: Any) -> int:
+        layers_run = int(function(*args))
+        calls.append(layers_run)
+        return layers_run
+
+    monkeypatch.setattr(stacked.attention.decode_stack, "function", counted)  # type: ignore[union-attr]
+    boundary = FlaggedBoundary()
+    decode = build_forward_batch([ScheduledChunk([40], 7, [0, 1], True)], BLOCK_SIZE, CPU)
+    logits = stacked(decode, stacked_cache, boundary)
+    num_layers = tiny[0].num_layers
+    assert calls == [1, 1, num_layers - 2]  # stopped after layers 1 and 2, then ran the rest at once
+    assert boundary.calls == 2
+    assert torch.equal(logits, per_op(decode, per_op_cache))
 
 
 def test_three_rows_take_the_per_op_path(

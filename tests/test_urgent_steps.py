@@ -173,3 +173,24 @@ def test_sbo_runs_its_threads_with_the_configured_switch_interval_and_restores_i
     # Only SBO runs threads that hand the interpreter lock to one another.
     assert runner.seen == [pytest.approx(0.0003 if sbo else before)] * 6
     assert sys.getswitchinterval() == before
+
+
+def test_queueing_an_urgent_step_sets_the_flag_its_yield_point_clears_before_running_it() -> None:
+    from gpu_worker.pipeline import _Staged, _StepQueue, _UrgentSteps
+
+    def staged(step_id: int, urgent: bool) -> _Staged:
+        return _Staged(StagedStep(step_id=step_id, lane=0, batch=None, sampled=[], urgent=urgent), 0.0)
+
+    queue = _StepQueue()
+    ran: list[int] = []
+    boundary = _UrgentSteps(queue, lambda item: ran.append(item.staged.step_id if item.staged else -1))
+    queue.put(staged(1, urgent=False))
+    assert boundary.pending.value == 0  # an ordinary step does not stop a step in progress
+    queue.put(staged(2, urgent=True))
+    queue.put(staged(3, urgent=True))
+    assert boundary.pending.value == 1
+    boundary()
+    assert ran == [2, 3] and boundary.pending.value == 0
+    boundary()  # nothing pending: nothing runs
+    assert ran == [2, 3]
+    assert queue.get().staged.step_id == 1  # type: ignore[union-attr]

@@ -45,10 +45,12 @@ typedef struct {
 
 /*
  * x [rows, hidden]: the first layer's normed input; residual [rows, hidden]: updated in place.
- * On return x holds next_norm(residual) of the last layer, as the per-op path leaves it.
+ * On return x holds next_norm(residual) of the last layer run, as the per-op path leaves it.
+ * `stop` (or NULL): after each layer, a non-zero value ends the call early (another thread
+ * sets it when the caller has work to do between layers). Returns the number of layers run.
  */
-void duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, const duoserve_step *step,
-                           uint16_t *x, uint16_t *residual, int num_threads)
+int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, const duoserve_step *step,
+                              uint16_t *x, uint16_t *residual, int num_threads, const volatile int32_t *stop)
 {
     const int64_t rows = step->rows, hidden = step->hidden, ffn = step->ffn;
     const int64_t kv_size = step->num_kv_heads * HEAD_DIM, q_size = kv_size * GROUP;
@@ -78,5 +80,7 @@ void duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, con
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
         duoserve_small_batch_linear(act, ffn, layer->down_weight, NULL, out, rows, hidden, ffn, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
+        if (stop && *stop) return l + 1;
     }
+    return num_layers;
 }
