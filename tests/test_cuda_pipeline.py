@@ -23,6 +23,7 @@ from gpu_worker.streams import CudaStreams
 from gpu_worker.worker import make_attention
 from tests.worker_steps import (
     TWO_LANES,
+    cpu_runner,
     decode_step,
     prompt_step,
     save_tiny_llama,
@@ -68,15 +69,6 @@ def test_build_forward_batch_sends_every_array_through_the_upload_hook() -> None
         assert torch.equal(getattr(hooked, name), getattr(plain, name)), name
 
 
-def cpu_runner(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> ModelRunner:
-    config, weights = tiny
-    cpu = torch.device("cpu")
-    model = LlamaModel(config, torch.float32, cpu)
-    model.load_weights(weights)
-    model.use_attention(make_attention("torch", config, torch.float32, cpu, BLOCK_SIZE))
-    return ModelRunner(model, allocate_kv_cache(config, 64, BLOCK_SIZE, torch.float32, cpu), BLOCK_SIZE, cpu)
-
-
 @pytest.mark.parametrize("one_thread", [True, False])
 def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]], one_thread: bool
@@ -84,8 +76,8 @@ def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
     """The pipeline's loops on the CPU: one thread (CUDA's SBO loop; here every reply is ready at
     once) and the staging thread, each driven like DBO, give the plain runner's tokens and answer
     a bad step with an error."""
-    expected = generate_on_two_lanes(cpu_runner(tiny), overlap=False)
-    runner = cpu_runner(tiny)
+    expected = generate_on_two_lanes(cpu_runner(tiny, "torch", BLOCK_SIZE), overlap=False)
+    runner = cpu_runner(tiny, "torch", BLOCK_SIZE)
     tokens, results = two_lanes_through_pipeline(
         lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=one_thread), 12, vocab_size=512
     )

@@ -12,14 +12,11 @@ import pytest
 import torch
 import zmq
 
-from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig
-from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
-from gpu_worker.worker import make_attention
 from protos import worker_pb2
-from tests.worker_steps import prompt_step, save_tiny_llama, two_lanes_through_pipeline
+from tests.worker_steps import cpu_runner, prompt_step, save_tiny_llama, two_lanes_through_pipeline
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,17 +26,6 @@ BLOCK_SIZE = 8
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def make_runner(
-    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str, block_size: int = BLOCK_SIZE
-) -> ModelRunner:
-    config, weights = tiny
-    model = LlamaModel(config, torch.float32, "cpu")
-    model.load_weights(weights)
-    model.use_attention(make_attention(backend, config, torch.float32, torch.device("cpu"), block_size))
-    kv_cache = allocate_kv_cache(config, 64, block_size, torch.float32, torch.device("cpu"))
-    return ModelRunner(model, kv_cache, block_size, torch.device("cpu"))
 
 
 def prefill_step(
@@ -59,7 +45,7 @@ def sampled(result: worker_pb2.StepResult) -> dict[int, int]:
 
 
 def sequential_reference(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> dict[int, int]:
-    runner = make_runner(tiny, backend)
+    runner = cpu_runner(tiny, backend, BLOCK_SIZE)
     first = runner.run(runner.stage(prefill_step(1, STEP_A)))
     second = runner.run(runner.stage(prefill_step(2, STEP_U, urgent=True)))
     return sampled(first) | sampled(second)
@@ -70,7 +56,7 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str
 ) -> None:
     expected = sequential_reference(tiny, backend)
-    runner = make_runner(tiny, backend)
+    runner = cpu_runner(tiny, backend, BLOCK_SIZE)
     outer = runner.stage(prefill_step(1, STEP_A))
     # An urgent step at each boundary of the outer one: 3 layers x 2 blocks, or after each of the
     # 3 layers on the fused path.
@@ -91,7 +77,7 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
     assert got == {k: v for k, v in expected.items() if k in got}
     # Each urgent prompt alone, on a fresh runner, gives the token it got inside the outer step.
     for index, result in enumerate(urgent_results):
-        alone = make_runner(tiny, backend)
+        alone = cpu_runner(tiny, backend, BLOCK_SIZE)
         staged = alone.stage(prefill_step(1, [(10 + index, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
         assert sampled(result) == sampled(alone.run(staged))
 
@@ -115,7 +101,7 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
     expected = sequential_reference(tiny, "torch")
-    plain = make_runner(tiny, "torch")
+    plain = cpu_runner(tiny, "torch", BLOCK_SIZE)
     runner = SlowBoundaries(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     scheduler_side = context.socket(zmq.PAIR)
@@ -163,7 +149,7 @@ class RecordsSwitchInterval(ModelRunner):
 def test_sbo_runs_its_threads_with_the_configured_switch_interval_and_restores_it(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]], sbo: bool
 ) -> None:
-    plain = make_runner(tiny, "torch", block_size=16)  # the block size TWO_LANES' tables are for
+    plain = cpu_runner(tiny, "torch", 16)  # the block size TWO_LANES' tables are for
     runner = RecordsSwitchInterval(plain.model, plain.kv_cache, 16, plain.device)
     runner.seen = []
     before = sys.getswitchinterval()

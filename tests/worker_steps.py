@@ -12,8 +12,12 @@ import numpy as np
 import torch
 import zmq
 
+from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
+from gpu_worker.runner import ModelRunner
+from gpu_worker.worker import make_attention
 from protos import worker_pb2
 
 TINY_LLAMA = {
@@ -37,6 +41,18 @@ def save_tiny_llama(path: Path, **overrides: Any) -> tuple[ModelConfig, dict[str
         path
     )
     return load_model(path)
+
+
+def cpu_runner(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str, block_size: int
+) -> ModelRunner:
+    """A float32 CPU runner of the tiny model with `backend` attention and 64 KV blocks."""
+    config, weights = tiny
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, torch.float32, cpu)
+    model.load_weights(weights)
+    model.use_attention(make_attention(backend, config, torch.float32, cpu, block_size))
+    return ModelRunner(model, allocate_kv_cache(config, 64, block_size, torch.float32, cpu), block_size, cpu)
 
 
 # Greedy sampling as the scheduler sends it (validation fills in every default).
