@@ -225,7 +225,7 @@ class BoundStack:
             slots.data_ptr(),
             block_tables.data_ptr(),
             context_lens.data_ptr(),
-            self._scratch_for(rows).data_ptr(),
+            self._scratch_buffer().data_ptr(),
         )
         threads = torch.get_num_threads()
         function = self.stack.function
@@ -257,7 +257,7 @@ class BoundStack:
                 between_layers()
         return x
 
-    def _scratch_for(self, rows: int) -> torch.Tensor:
+    def _scratch_buffer(self) -> torch.Tensor:
         """Per thread (two lanes may decode at once), sized for MAX_ROWS rows."""
         scratch: torch.Tensor | None = getattr(self._scratch, "buffer", None)
         if scratch is None:
