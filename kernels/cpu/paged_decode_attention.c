@@ -51,19 +51,18 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
         const int64_t valid = context_len - start < BLOCK ? context_len - start : BLOCK;
         const elem_t *keys = k_cache + block * BLOCK * ROW;
         const elem_t *values = v_cache + block * BLOCK * ROW;
-        if (start + BLOCK < context_len) {
-            /* The cache is far larger than the CPU's caches and blocks are scattered: fetch the
-             * next block's rows (of these heads) while this one computes. */
-            const int64_t next = table[start / BLOCK + 1];
-            for (int t = 0; t < BLOCK; t++) {
+        /* The cache is far larger than the CPU's caches and blocks are scattered: the next
+         * block's rows (of these heads) are fetched a row per token of this block, spread over
+         * its compute (a burst of the whole block's fetches at once stalls on them; measured). */
+        const int64_t next = start + BLOCK < context_len ? table[start / BLOCK + 1] : -1;
+        /* Scores for the whole block (slots past the context hold stale data and are masked). */
+        for (int t = 0; t < BLOCK; t++) {
+            if (next >= 0) {
                 for (int64_t line = 0; line < heads * HEAD_DIM * (int64_t)sizeof(elem_t); line += 64) {
                     __builtin_prefetch((const char *)(k_cache + (next * BLOCK + t) * ROW) + line);
                     __builtin_prefetch((const char *)(v_cache + (next * BLOCK + t) * ROW) + line);
                 }
             }
-        }
-        /* Scores for the whole block (slots past the context hold stale data and are masked). */
-        for (int t = 0; t < BLOCK; t++) {
             for (int64_t h = 0; h < heads; h++) {
                 float kf[HEAD_DIM] __attribute__((aligned(64)));
                 for (int i = 0; i < HEAD_DIM; i++) kf[i] = load(keys[t * ROW + h * HEAD_DIM + i]);
