@@ -168,9 +168,10 @@ def paged_decode_attention_reference(
 
 
 def load_cpu_decode_attention(
-    head_dim: int, group: int, block_size: int, dtype: torch.dtype
+    head_dim: int, group: int, block_size: int, dtype: torch.dtype, scalar_only: bool = False
 ) -> CpuDecodeAttention:
-    """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible."""
+    """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible.
+    `scalar_only` builds it without its AVX-512 path (for the tests: CPUs without AVX-512 run that)."""
     supported = (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -184,7 +185,7 @@ def load_cpu_decode_attention(
         )
     if dtype not in DTYPES:
         raise KernelBuildError(f"no CPU decode kernel for {dtype}; supported: {DTYPES}")
-    key = (head_dim, group, block_size, dtype)
+    key = (head_dim, group, block_size, dtype, scalar_only)
     with _lock:
         if key not in _loaded:
             shape = _Shape(head_dim, group, block_size, dtype)
@@ -195,6 +196,7 @@ def load_cpu_decode_attention(
                     "GROUP": shape.group,
                     "BLOCK": shape.block_size,
                     "ELEM_BF16": int(shape.dtype == torch.bfloat16),
+                    "SCALAR_ONLY": int(scalar_only),
                 },
             )
             _loaded[key] = CpuDecodeAttention(_bind(path), shape, path)
