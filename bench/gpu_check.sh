@@ -66,7 +66,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, stop it after SECO
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
 run tests-kernels 240 "${PYTEST[@]}" tests/kernels tests/test_cpu_decode_kernel.py
-run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py -k "cuda or triton or graph"
+run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py -k "cuda or triton or graph"
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
 run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \

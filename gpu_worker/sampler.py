@@ -86,8 +86,9 @@ class Sampler:
         return SamplerOutput(chosen.tolist(), compute_logprobs(logits, chosen, [r.params for r in rows]))
 
     def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [S] int64
-        """The chosen tokens as a tensor on the logits' device. Greedy rows without penalties read
-        nothing back to the host, so on a GPU the step's tokens can be copied back asynchronously."""
+        """The chosen tokens as a tensor on the logits' device. Nothing waits for the device (so on
+        a GPU the step's tokens can be copied back asynchronously) except a row with top-p and no
+        top-k, whose first guess of candidates is checked on the host (see filtered_weights)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
@@ -101,13 +102,13 @@ class Sampler:
             chosen = self._draw(scores, rows)
         else:
             chosen = _argmax(scores)
-            index = torch.tensor(random_rows, device=logits.device)
+            index = _tensor(random_rows, logits.device)
             picked = self._draw(scores.index_select(0, index), [rows[i] for i in random_rows])
             chosen = chosen.index_copy(0, index, picked)
         return chosen
 
     def _draw(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [R] int64
-        temps = torch.tensor([r.params.temperature for r in rows], device=scores.device)
+        temps = _tensor([r.params.temperature for r in rows], scores.device)
         weights = filtered_weights(scores / temps[:, None], [r.params for r in rows])  # [R, V]
         # Unnormalised on purpose: every weight is computed elementwise from the row's own scores,
         # so a seeded row's cdf has the same bits whatever else is in the batch.
@@ -118,7 +119,9 @@ class Sampler:
         # rounding at the very top can run off the end, where the likeliest token stands in.
         picked = picked.clamp_max_(weights.shape[1] - 1)
         valid = weights.gather(1, picked[:, None])[:, 0] > 0
-        if bool(valid.all()):
+        # Reading `valid` back would wait for a GPU's queued work; on the CPU it is free and
+        # saves the fallback's argmax.
+        if scores.device.type == "cpu" and bool(valid.all()):
             return picked
         return torch.where(valid, picked, _argmax(weights))
 
@@ -186,8 +189,17 @@ def _flat_indices(lists: Sequence[tuple[int, Sequence[int]]], vocab: int) -> np.
     return rows * vocab + np.concatenate([*arrays, np.empty(0, np.int64)])
 
 
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+def _tensor(values: np.ndarray | Sequence[float] | Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`; onto a GPU through pinned memory without waiting (a plain
+    host-to-device copy first waits for all the work queued on the stream)."""
+    host = (
+        torch.from_numpy(np.ascontiguousarray(values))
+        if isinstance(values, np.ndarray)
+        else torch.tensor(values)
+    )
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] → [R]
@@ -219,10 +231,10 @@ def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> 
         weights = torch.empty_like(scores)
         weights[plain] = _relative_exp(scores[plain])
         weights[ranked] = _ranked_weights(scores[ranked], [params[i] for i in ranked])
-    min_p = torch.tensor([p.min_p for p in params], device=scores.device)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         # The best token weighs 1, so min_p is directly the weight threshold (relative, so
         # renormalisation after top-k/top-p does not matter).
+        min_p = _tensor([p.min_p for p in params], scores.device)
         weights = weights.masked_fill(weights < min_p[:, None], 0.0)
     return weights
 
@@ -258,12 +270,12 @@ def _top_k_top_p_keep(
 ) -> torch.Tensor:  # [Rk, K] bool
     device = top_scores.device
     rank = torch.arange(top_scores.shape[1], device=device)[None, :]  # [1, K]
-    keep = rank < torch.tensor(ks, device=device)[:, None]
-    top_p = torch.tensor(top_ps, device=device)[:, None]  # [Rk, 1]
-    if bool((top_p < 1.0).any()):
+    keep = rank < _tensor(ks, device)[:, None]
+    if any(p < 1.0 for p in top_ps):
+        top_p = _tensor(top_ps, device)[:, None]  # [Rk, 1]
         kept = top_scores.masked_fill(~keep, float("-inf"))
         # With top-k, top-p sees the distribution renormalised over the top-k survivors.
-        lse = torch.where(torch.tensor(has_top_k, device=device), kept.logsumexp(dim=-1), full_lse)
+        lse = torch.where(_tensor(has_top_k, device), kept.logsumexp(dim=-1), full_lse)
         probs = (kept - lse[:, None]).exp()  # [Rk, K]
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         keep &= mass_before < top_p  # always keeps rank 0
@@ -278,7 +290,7 @@ def compute_logprobs(
     out: list[TokenLogprobs | None] = [None] * len(params)
     if not wanted:
         return out
-    index = torch.tensor(wanted, device=logits.device)
+    index = _tensor(wanted, logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index), dim=-1)  # [W, V]
     chosen_lp = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
     top_n = max(params[i].logprobs or 0 for i in wanted)

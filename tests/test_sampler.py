@@ -176,3 +176,38 @@ def test_filtering_matches_full_sort_reference(spread: float) -> None:
         torch.testing.assert_close(
             probs[i].sum(), torch.tensor(1.0), atol=1e-5, rtol=0
         ) if p.min_p == 0 else None
+
+
+@pytest.mark.gpu
+def test_penalised_and_filtered_sampling_on_cuda_does_not_wait_for_the_device() -> None:
+    """On a GPU, choose() queues its work behind the step's and returns: the runner copies the
+    tokens back asynchronously and launches the next step meanwhile. Rows here use every penalty
+    and every filter (top-k with top-p, min-p), with top_k=1 so the tokens are exact; they must
+    equal the CPU's, and choose() must return while matrix multiplies queued before it still run
+    (a host-to-device copy without pinned memory, or a value read back, would wait for them)."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 3000, generator=gen)
+    history = [int(i) for i in torch.randint(0, 3000, (40,), generator=gen)]
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.4),
+        SamplingParams(temperature=0.7, top_k=1, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=3),
+        SamplingParams(temperature=1.5, top_k=1, frequency_penalty=1.0),
+    ]
+    rows = [SamplingRow(p, prompt_token_ids=history[:20], output_token_ids=history[20:]) for p in params]
+    expected = Sampler(seed=0).choose(logits, rows)
+    sampler = Sampler(seed=0)
+    on_device = logits.to(device)
+    sampler.choose(on_device, rows)  # first use: generators, the pinned-memory pool
+    busy = torch.randn(4096, 4096, device=device)
+    end = torch.cuda.Event()
+    torch.cuda.synchronize()
+    for _ in range(20):
+        torch.mm(busy, busy)
+    end.record()
+    chosen = sampler.choose(on_device, rows)
+    still_busy = not end.query()
+    assert still_busy, "choose() waited for the matrix multiplies queued before it"
+    assert chosen.device.type == "cuda"
+    assert chosen.cpu().tolist() == expected.tolist()
