@@ -16,8 +16,10 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import make_linear, packed_linear_available, small_batch_kernel
+from gpu_worker.linear import Linear, amx_kernel, make_linear, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
+from kernels import cpu_amx
+from kernels.cpu_amx import AmxLinear
 from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
@@ -107,12 +109,14 @@ class DecoderLayer(nn.Module):
         self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
         self.prepare_linears(packed=False)
 
-    def prepare_linears(self, packed: bool, small_batch: SmallBatchLinear | None = None) -> None:
+    def prepare_linears(
+        self, packed: bool, small_batch: SmallBatchLinear | None = None, amx: AmxLinear | None = None
+    ) -> None:
         """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed, small_batch)
-        self.o_proj = make_linear(self.o_weight, None, packed, small_batch)
-        self.gate_up = make_linear(self.gate_up_weight, None, packed, small_batch)
-        self.down = make_linear(self.down_weight, None, packed, small_batch)
+        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed, small_batch, amx)
+        self.o_proj = make_linear(self.o_weight, None, packed, small_batch, amx)
+        self.gate_up = make_linear(self.gate_up_weight, None, packed, small_batch, amx)
+        self.down = make_linear(self.down_weight, None, packed, small_batch, amx)
 
     def forward(
         self,
@@ -197,8 +201,8 @@ class LlamaModel(nn.Module):
         device: torch.device | str,
         small_batch_linears: bool = True,
     ) -> None:
-        """`small_batch_linears`: in bfloat16 on the CPU, steps of one or two rows take the
-        small-batch linear kernel where it builds (gpu_worker/linear.py)."""
+        """`small_batch_linears`: in bfloat16 on the CPU, decode-sized steps take duoserve's own
+        linear kernels where they build (gpu_worker/linear.py), and the decode stack."""
         super().__init__()
         self.small_batch_linears = small_batch_linears
         device = torch.device(device)
@@ -270,11 +274,13 @@ class LlamaModel(nn.Module):
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         # Packed copies are taken of the loaded values, so this comes last.
         packed = packed_linear_available(self.dtype, self.device)
-        small_batch = small_batch_kernel() if packed and self.small_batch_linears else None
+        own = packed and self.small_batch_linears
+        amx = amx_kernel() if own else None
+        small_batch = small_batch_kernel() if own and amx is None else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, small_batch)
-        self.lm_head_linear = make_linear(self.lm_head, None, packed, small_batch)
+            layer.prepare_linears(packed, small_batch, amx)
+        self.lm_head_linear = make_linear(self.lm_head, None, packed, small_batch, amx)
 
     @torch.inference_mode()
     def forward(
@@ -336,10 +342,13 @@ class LlamaModel(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor | None:
-        """Every layer in one C call (kernels/cpu_stack.py) for a decode step of at most MAX_ROWS
-        sequences on the CPU backend in bfloat16 with small-batch linears; None (nothing done)
-        otherwise. The stack is bound to these KV caches on first use."""
+        """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend
+        in bfloat16 with duoserve's own linears: of up to cpu_amx.MAX_ROWS sequences with the AMX
+        kernel, else up to MAX_ROWS with the small-batch one. None (nothing done) otherwise. The
+        stack is bound to these KV caches on first use."""
         attention = self.attention
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        amx = layers[0].qkv.amx_weight is not None
         if (
             not isinstance(attention, CpuPagedAttention)
             or attention.decode_stack is None
@@ -347,12 +356,11 @@ class LlamaModel(nn.Module):
             or not self.small_batch_linears
             or batch.decode is None
             or batch.prefills
-            or batch.num_tokens > MAX_ROWS
+            or batch.num_tokens > (cpu_amx.MAX_ROWS if amx else MAX_ROWS)
         ):
             return None
         key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
-            layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
             norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
             bound = attention.decode_stack.bind(
                 [
@@ -366,6 +374,7 @@ class LlamaModel(nn.Module):
                         next_norm=norm.detach(),
                         k_cache=k_cache,
                         v_cache=v_cache,
+                        amx_weights=_amx_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down),
                     )
                     for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True)
                 ],
@@ -384,3 +393,9 @@ class LlamaModel(nn.Module):
             batch.decode.context_lens,
             yield_point,
         )
+
+
+def _amx_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
+    """The linears' AMX-packed weights, or None unless all of them have one."""
+    weights = [linear.amx_weight for linear in linears]
+    return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)

@@ -193,7 +193,7 @@ def make_attention(
                 model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size
             )
         except KernelBuildError as exc:
-            log.warning("CPU decode stack unavailable, small decode steps call each op: %s", exc)
+            log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)
     return CpuPagedAttention(*shape, kernel=kernel, fused_ops=fused, decode_stack=stack)
 
 

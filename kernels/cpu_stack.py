@@ -1,4 +1,4 @@
-"""A decode step of one or two sequences through every decoder layer in one C call (bfloat16, CPU).
+"""A decode step through every decoder layer in one C call (bfloat16, CPU).
 
 Single-stream decode reads each weight once per token; with the small-batch linear kernel that
 takes about 13 ms a token here for SmolLM2-135M, yet the per-op fused forward took ~24 ms: the
@@ -6,6 +6,9 @@ rest was the cost of calling ~8 ops per layer from Python (~30 us each: checks, 
 allocation, the call). `kernels/cpu/decode_stack.c` calls the same C kernels in the same order
 on scratch buffers, so the results are the per-op path's, bit for bit, and the step pays one
 call (more only when the worker has urgent steps to run between layers).
+
+The same holds for decode batches of up to 64 sequences when the layers come with AMX-packed
+weights (kernels/cpu_amx.py): the stack then runs the AMX linear where the per-op path does.
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
 step. Needs what the small-batch linear kernel needs (AVX-512 BF16); elsewhere
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_amx
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, load
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
@@ -41,6 +45,10 @@ class _Layer(ctypes.Structure):
         ("next_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("qkv_amx", ctypes.c_void_p),
+        ("o_amx", ctypes.c_void_p),
+        ("gate_up_amx", ctypes.c_void_p),
+        ("down_amx", ctypes.c_void_p),
     ]
 
 
@@ -75,6 +83,9 @@ class StackLayer:
     next_norm: torch.Tensor  # [hidden]: the next layer's input norm, or the final norm
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
+    # The qkv, o, gate_up and down weights packed by kernels.cpu_amx.pack: the stack then takes up
+    # to cpu_amx.MAX_ROWS rows, through the AMX kernel.
+    amx_weights: tuple[torch.Tensor, ...] | None = None
 
 
 class BoundStack:
@@ -91,6 +102,13 @@ class BoundStack:
         self.q_size = self.kv_size * stack.group
         self.ffn = first.down_weight.shape[1]
         self.num_slots = first.k_cache.shape[0] * first.k_cache.shape[1]
+        with_amx = [layer.amx_weights is not None for layer in layers]
+        require(
+            all(with_amx) or not any(with_amx), "layers", layers[0].qkv_weight, "AMX weights in all or none"
+        )
+        if any(with_amx) and not stack.has_amx:
+            raise ValueError("layers: AMX weights given, but this stack was built without the AMX linear")
+        self.max_rows = cpu_amx.MAX_ROWS if all(with_amx) else MAX_ROWS
         for index, layer in enumerate(layers):
             self._check(index, layer)
         self._layers = (_Layer * len(layers))(
@@ -105,6 +123,7 @@ class BoundStack:
                     layer.next_norm.data_ptr(),
                     layer.k_cache.data_ptr(),
                     layer.v_cache.data_ptr(),
+                    *([w.data_ptr() for w in layer.amx_weights] if layer.amx_weights else [None] * 4),
                 )
                 for layer in layers
             )
@@ -141,6 +160,22 @@ class BoundStack:
             layer.qkv_weight,
             "hidden, q_size and ffn multiples of 32, kv_size of 16 (the small-batch linear's tiling)",
         )
+        if layer.amx_weights is not None:
+            names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+            require(
+                len(layer.amx_weights) == 4, f"layers[{index}].amx_weights", layer.qkv_weight, "four weights"
+            )
+            for name, packed in zip(names, layer.amx_weights, strict=True):
+                out, k = expected[name]
+                shape = (out // 16, k // 32, 16, 16, 2)
+                require(
+                    tuple(packed.shape) == shape
+                    and packed.dtype == torch.bfloat16
+                    and packed.is_contiguous(),
+                    f"layers[{index}].amx_weights ({name})",
+                    packed,
+                    f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_amx.pack)",
+                )
         cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
@@ -178,7 +213,7 @@ class BoundStack:
                 tensor,
                 f"a contiguous bfloat16 [rows, {hidden}] tensor",
             )
-        require(1 <= rows <= MAX_ROWS, "x", x, f"1..{MAX_ROWS} rows")
+        require(1 <= rows <= self.max_rows, "x", x, f"1..{self.max_rows} rows")
         half = self.stack.head_dim // 2
         for name, table in (("cos", cos), ("sin", sin)):
             require(
@@ -258,11 +293,11 @@ class BoundStack:
         return x
 
     def _scratch_buffer(self) -> torch.Tensor:
-        """Per thread (two lanes may decode at once), sized for MAX_ROWS rows."""
+        """Per thread (two lanes may decode at once), sized for max_rows rows."""
         scratch: torch.Tensor | None = getattr(self._scratch, "buffer", None)
         if scratch is None:
             per_row = self.q_size + 2 * self.kv_size + 2 * self.q_size + 3 * self.ffn + self.hidden
-            scratch = torch.empty(MAX_ROWS * per_row, dtype=torch.bfloat16)
+            scratch = torch.empty(self.max_rows * per_row, dtype=torch.bfloat16)
             self._scratch.buffer = scratch
         return scratch
 
@@ -270,8 +305,11 @@ class BoundStack:
 class CpuDecodeStack:
     """The loaded kernel for one attention shape (head_dim, group, block_size)."""
 
-    def __init__(self, function: Callable[..., int], head_dim: int, group: int, block_size: int) -> None:
+    def __init__(
+        self, function: Callable[..., int], head_dim: int, group: int, block_size: int, has_amx: bool = False
+    ) -> None:
         self.function = function
+        self.has_amx = has_amx  # built with the AMX linear: layers may bring AMX weights
         self.head_dim = head_dim
         self.group = group
         self.block_size = block_size
@@ -306,7 +344,8 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                     "MAX_ROWS": MAX_ROWS,
                 },
             )
-            function = load(path).duoserve_decode_stack
+            library = load(path)
+            function = library.duoserve_decode_stack
             function.restype = ctypes.c_int64  # layers run
             function.argtypes = [
                 ctypes.c_void_p,
@@ -317,7 +356,8 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size)
+            has_amx = bool(library.duoserve_decode_stack_has_amx())
+            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, has_amx)
         return _loaded[key]
 
 

@@ -162,7 +162,8 @@ WORKER_FLAGS = (
         "--small-batch-linear",
         bool,
         True,
-        "bfloat16 on the CPU: steps of 1-2 rows take the weight-streaming C kernel (else oneDNN)",
+        "bfloat16 on the CPU: decode-sized linears take duoserve's kernels (AMX: 1-64 rows; else 1-2) "
+        "and decode-only steps of those sizes run all layers in one C call (else oneDNN, op by op)",
     ),
 )
 WORKER_ONLY_FLAGS = (

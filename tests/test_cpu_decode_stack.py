@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,12 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
+from gpu_worker.linear import amx_kernel
 from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
+from kernels import cpu_amx
+from kernels.cpu_linear import MAX_ROWS
 from kernels.cpu_stack import BoundStack, StackLayer, load_cpu_decode_stack
 from tests.test_cpu_linear_kernel import has_avx512_bf16
 from tests.worker_steps import save_tiny_llama
@@ -47,7 +51,12 @@ def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaMod
     if not stack:
         attention.decode_stack = None
     model.use_attention(attention)
-    return model, allocate_kv_cache(config, 40, BLOCK_SIZE, torch.bfloat16, CPU)
+    return model, allocate_kv_cache(config, 80, BLOCK_SIZE, torch.bfloat16, CPU)
+
+
+def stack_rows() -> int:
+    """How many rows the stack takes here: with AMX (where the linears run on tiles), up to 64."""
+    return cpu_amx.MAX_ROWS if amx_kernel() is not None else MAX_ROWS
 
 
 class CountingRuns:
@@ -64,7 +73,7 @@ class CountingRuns:
         monkeypatch.setattr(BoundStack, "run", run)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 19])  # 19: more than one AMX tile of rows (16 and 3)
 @pytest.mark.parametrize("with_yield_points", [False, True])
 def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     tiny: tuple[ModelConfig, Any], rows: int, with_yield_points: bool, monkeypatch: pytest.MonkeyPatch
@@ -73,8 +82,8 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     stacked, stacked_cache = bfloat16_model(tiny, stack=True)
     per_op, per_op_cache = bfloat16_model(tiny, stack=False)
     # Prompts of 7 and 14 tokens: their decodes cross the block boundary at 16 within 12 steps.
-    tables = [list(range(0, 4)), list(range(4, 8))]
-    prompts = [[(7 * i + 3 * s) % 250 + 3 for i in range(length)] for s, length in enumerate((7, 14))][:rows]
+    tables = [list(range(4 * s, 4 * s + 4)) for s in range(rows)]
+    prompts = [[(7 * i + 3 * s) % 250 + 3 for i in range(7 if s % 2 == 0 else 14)] for s in range(rows)]
     prefill = [ScheduledChunk(p, 0, tables[s], True) for s, p in enumerate(prompts)]
     batch = build_forward_batch(prefill, BLOCK_SIZE, CPU)
     first = stacked(batch, stacked_cache)
@@ -91,7 +100,8 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
         assert torch.equal(logits, per_op(batch, per_op_cache))
         tokens = logits.argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
-    assert counting.runs == 12
+    stacked_steps = 12 if rows <= stack_rows() else 0
+    assert counting.runs == stacked_steps
     assert len(boundaries) == (12 * tiny[0].num_layers if with_yield_points else 0)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
@@ -164,14 +174,15 @@ def test_the_stack_stops_only_at_boundaries_where_its_yield_point_is_pending(
     assert torch.equal(logits, per_op(decode, per_op_cache))
 
 
-def test_three_rows_take_the_per_op_path(
+def test_steps_past_the_stacks_rows_take_the_per_op_path(
     tiny: tuple[ModelConfig, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counting = CountingRuns(monkeypatch)
     model, cache = bfloat16_model(tiny, stack=True)
-    decode = [ScheduledChunk([5], 3, [s], True) for s in range(3)]
-    model(build_forward_batch(decode, BLOCK_SIZE, CPU), cache)
-    assert counting.runs == 0
+    for rows, runs in ((stack_rows(), 1), (stack_rows() + 1, 1)):
+        decode = [ScheduledChunk([5], 3, [s], True) for s in range(rows)]
+        model(build_forward_batch(decode, BLOCK_SIZE, CPU), cache)
+        assert counting.runs == runs, rows
 
 
 def layers_of(model: LlamaModel, cache: KVCache) -> list[StackLayer]:
@@ -208,6 +219,17 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
         stack.bind([], config.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[1\]\.o_weight"):
         stack.bind([layers[0], wrong, *layers[2:]], config.rms_norm_eps)
+    packed = [replace(layer, amx_weights=packed_weights(layer)) for layer in layers]
+    with pytest.raises(ValueError, match="AMX weights in all or none"):
+        stack.bind([packed[0], *layers[1:]], config.rms_norm_eps)
+    if stack.has_amx:
+        misshapen = replace(packed[1], amx_weights=(packed[1].amx_weights or ())[::-1])
+        with pytest.raises(ValueError, match=r"layers\[1\]\.amx_weights \(qkv_weight\)"):
+            stack.bind([packed[0], misshapen, *packed[2:]], config.rms_norm_eps)
+        assert stack.bind(packed, config.rms_norm_eps).max_rows == cpu_amx.MAX_ROWS
+    else:
+        with pytest.raises(ValueError, match="built without the AMX linear"):
+            stack.bind(packed, config.rms_norm_eps)
     bound = stack.bind(layers, config.rms_norm_eps)
     half = config.head_dim // 2
     x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
@@ -259,3 +281,8 @@ def test_the_stack_builds_at_real_models_shapes(head_dim: int, group: int) -> No
     the others (the attention's AVX-512 path needs head_dim in 32s and blocks in 16s)."""
     stack = load_cpu_decode_stack(head_dim, group, 16)
     assert (stack.head_dim, stack.group, stack.block_size) == (head_dim, group, 16)
+
+
+def packed_weights(layer: StackLayer) -> tuple[torch.Tensor, ...]:
+    weights = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+    return tuple(cpu_amx.pack(w) for w in weights)

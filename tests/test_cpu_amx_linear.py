@@ -1,0 +1,115 @@
+"""The AMX linear kernel against float32 matmuls, its packing, and its launcher's checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.linear import make_linear
+from kernels.cpu_amx import MAX_ROWS, AmxLinear, load_amx_linear, pack
+
+
+def has_amx_bf16() -> bool:
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# Only a CPU without AMX cannot run the kernel; anywhere else a build failure fails here.
+needs_amx = pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
+
+
+def test_pack_puts_each_pair_of_inputs_beside_its_output() -> None:
+    weight = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).bfloat16()  # exact in bfloat16
+    packed = pack(weight)
+    assert packed.shape == (2, 2, 16, 16, 2)
+    # strip s (outputs 16 s..16 s + 15), input step c (inputs 32 c..32 c + 31), pair r, output j
+    for s, c, r, j in ((0, 0, 0, 0), (1, 1, 15, 15), (1, 0, 3, 7), (0, 1, 9, 2)):
+        out, k = 16 * s + j, 32 * c + 2 * r
+        assert packed[s, c, r, j].tolist() == weight[out, k : k + 2].tolist()
+    with pytest.raises(ValueError, match="weight"):
+        pack(torch.zeros(24, 64, dtype=torch.bfloat16))  # outputs not in 16s
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 48, 63, 64, 65, 130])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_a_float32_matmul(rows: int, with_bias: bool) -> None:
+    """Every count of row tiles (1-4 per pass, the last one partial) and passes past 64 rows."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 160, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 160, generator=gen).bfloat16()
+    out = load_amx_linear()(x, pack(weight), bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    expected = reference(x, weight, bias)
+    # float32 sums in another order, then one bfloat16 rounding (half an ulp: 2^-8 relative)
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-2)
+
+
+@needs_amx
+def test_rows_are_computed_alike_in_any_batch() -> None:
+    """A row's result does not depend on which other rows share its step (tiles are per row)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=gen).bfloat16()
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    kernel, packed = load_amx_linear(), pack(weight)
+    whole = kernel(x, packed)
+    for start, stop in ((0, 1), (5, 22), (17, 40)):
+        assert torch.equal(kernel(x[start:stop], packed), whole[start:stop])
+
+
+@needs_amx
+def test_rows_may_be_strided() -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(32, 64, generator=gen).bfloat16()
+    wide = torch.randn(20, 96, generator=gen).bfloat16()
+    x = wide[:, 16:80]  # rows 96 elements apart
+    out = load_amx_linear()(x, pack(weight))
+    assert torch.equal(out, load_amx_linear()(x.contiguous(), pack(weight)))
+
+
+@needs_amx
+def test_launcher_rejects_what_the_kernel_cannot_read() -> None:
+    kernel = load_amx_linear()
+    weight = torch.randn(32, 64).bfloat16()
+    packed = pack(weight)
+    with pytest.raises(ValueError, match="x"):
+        kernel(torch.randn(4, 64), packed)  # float32
+    with pytest.raises(ValueError, match="x"):
+        kernel(torch.randn(64, 4).bfloat16().T, packed)  # columns not contiguous
+    with pytest.raises(ValueError, match="packed"):
+        kernel(torch.randn(4, 96).bfloat16(), packed)  # input size 96 against 64
+    with pytest.raises(ValueError, match="packed"):
+        kernel(torch.randn(4, 64).bfloat16(), weight)  # not packed
+    with pytest.raises(ValueError, match="bias"):
+        kernel(torch.randn(4, 64).bfloat16(), packed, torch.zeros(16, dtype=torch.bfloat16))
+    assert kernel(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+    assert not AmxLinear.supports(torch.zeros(32, 48, dtype=torch.bfloat16))  # inputs not in 32s
+
+
+@needs_amx
+def test_linear_takes_amx_up_to_its_rows_then_onednn() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 96, generator=gen).bfloat16()
+    bias = torch.randn(64, generator=gen).bfloat16()
+    kernel = load_amx_linear()
+    linear = make_linear(weight, bias, packed=True, amx=kernel)
+    assert linear.amx_weight is not None
+    for rows in (1, MAX_ROWS):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        assert torch.equal(linear(x), kernel(x, linear.amx_weight, bias))
+    x = torch.randn(MAX_ROWS + 1, 96, generator=gen).bfloat16()
+    expected = torch.ops.mkldnn._linear_pointwise(
+        x, torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias, "none", [], ""
+    )
+    assert torch.equal(linear(x), expected)
+    torch.testing.assert_close(linear(x).float(), reference(x, weight, bias), rtol=8e-3, atol=1e-2)
