@@ -1,0 +1,75 @@
+"""Prefill attention on the CPU (torch SDPA): whole prompts of one length run as one call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.attention import TorchPagedAttention, fresh_runs
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8
+
+
+def chunk(length: int, start: int, blocks: list[int]) -> ScheduledChunk:
+    return ScheduledChunk(list(range(3, 3 + length)), start, blocks, True)
+
+
+# Three whole 5-token prompts (one run), a 3-token one, a chunk behind a cached prefix of 9, a
+# decode, then two more 5-token prompts (another run).
+CHUNKS = [
+    chunk(5, 0, [0]),
+    chunk(5, 0, [1]),
+    chunk(5, 0, [2]),
+    chunk(3, 0, [3]),
+    chunk(4, 9, [4, 5]),
+    chunk(1, 12, [6, 7]),
+    chunk(5, 0, [8]),
+    chunk(5, 0, [9]),
+]
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Query i of the chunk attends to keys 0..P+i, for the last len(q) of the P + len(q) keys."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * HEAD_DIM**-0.5
+    visible = torch.ones(len(q), len(k), dtype=torch.bool).tril(len(k) - len(q))
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
+def test_runs_group_adjacent_whole_prompts_of_one_length() -> None:
+    batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
+    runs = fresh_runs(batch.prefills)
+    assert [len(run) for run in runs] == [3, 1, 1, 2]
+    assert [chunk.num_tokens for run in runs for chunk in run] == [5, 5, 5, 3, 4, 5, 5]
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    attention = TorchPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    together = attention(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
+    prompts = [c for c in CHUNKS if len(c.token_ids) > 1]  # the batch's prefills, in order
+    assert len(prompts) == len(batch.prefills) == 7
+    for prompt, prefill in zip(prompts, batch.prefills, strict=True):
+        rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
+        # The same chunk alone in a batch of its own: the same bits.
+        alone_batch = build_forward_batch([prompt], BLOCK_SIZE, "cpu")
+        alone = attention(q[rows], k[rows], v[rows], (k_cache.clone(), v_cache.clone()), alone_batch)
+        assert torch.equal(alone.view(-1, NUM_HEADS, HEAD_DIM), together[rows])
+        # Against the reference, the cached prefix (if any) read from the cache as written.
+        slots = [b * BLOCK_SIZE + i for b in prompt.block_table for i in range(BLOCK_SIZE)][
+            : prompt.start_position
+        ]
+        keys = torch.cat([k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots], k[rows]])
+        values = torch.cat([v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots], v[rows]])
+        expected = reference(q[rows], keys, values)
+        torch.testing.assert_close(together[rows].double(), expected, atol=tolerance, rtol=tolerance)
