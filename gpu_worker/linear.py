@@ -107,14 +107,3 @@ class Linear:
         elif self._small is not None and 1 <= rows <= MAX_ROWS and x.stride(-1) == 1:
             return self._small(x, self.weight, self._plain_bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._onednn_weight, self.bias, "none", [], "")
-
-
-def make_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: bool,
-    small_batch: SmallBatchLinear | None = None,
-    amx: AmxLinear | None = None,
-) -> Linear:
-    """A Linear over these weights (see Linear for which kernel takes which steps)."""
-    return Linear(weight, bias, packed, small_batch, amx)

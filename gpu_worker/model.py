@@ -16,7 +16,7 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import Linear, amx_kernel, make_linear, packed_linear_available, small_batch_kernel
+from gpu_worker.linear import Linear, amx_kernel, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
 from kernels import cpu_amx
 from kernels.cpu_amx import AmxLinear
@@ -113,10 +113,10 @@ class DecoderLayer(nn.Module):
         self, packed: bool, small_batch: SmallBatchLinear | None = None, amx: AmxLinear | None = None
     ) -> None:
         """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = make_linear(self.qkv_weight, self.qkv_bias, packed, small_batch, amx)
-        self.o_proj = make_linear(self.o_weight, None, packed, small_batch, amx)
-        self.gate_up = make_linear(self.gate_up_weight, None, packed, small_batch, amx)
-        self.down = make_linear(self.down_weight, None, packed, small_batch, amx)
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, small_batch, amx)
+        self.o_proj = Linear(self.o_weight, None, packed, small_batch, amx)
+        self.gate_up = Linear(self.gate_up_weight, None, packed, small_batch, amx)
+        self.down = Linear(self.down_weight, None, packed, small_batch, amx)
 
     def forward(
         self,
@@ -227,7 +227,7 @@ class LlamaModel(nn.Module):
             else _empty_param((config.vocab_size, config.hidden_size), dtype, device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
-        self.lm_head_linear = make_linear(self.lm_head, None, packed=False)
+        self.lm_head_linear = Linear(self.lm_head, None, packed=False)
         self._bound_stack: tuple[tuple[object, int, int], BoundStack] | None = None
 
     @property
@@ -280,7 +280,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.prepare_linears(packed, small_batch, amx)
-        self.lm_head_linear = make_linear(self.lm_head, None, packed, small_batch, amx)
+        self.lm_head_linear = Linear(self.lm_head, None, packed, small_batch, amx)
 
     @torch.inference_mode()
     def forward(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.linear import make_linear
+from gpu_worker.linear import Linear
 from kernels.cpu_amx import MAX_ROWS, AmxLinear, load_amx_linear, pack
 
 
@@ -102,7 +102,7 @@ def test_linear_takes_amx_up_to_its_rows_then_onednn() -> None:
     weight = torch.randn(64, 96, generator=gen).bfloat16()
     bias = torch.randn(64, generator=gen).bfloat16()
     kernel = load_amx_linear()
-    linear = make_linear(weight, bias, packed=True, amx=kernel)
+    linear = Linear(weight, bias, packed=True, amx=kernel)
     assert linear.amx_weight is not None
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, 96, generator=gen).bfloat16()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.linear import make_linear, packed_linear_available
+from gpu_worker.linear import Linear, packed_linear_available
 from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear, load_small_batch_linear
 from scheduler.model_files import find_default_model
 
@@ -75,7 +75,7 @@ def test_launcher_rejects_what_the_kernel_cannot_take(kernel: SmallBatchLinear) 
 def test_a_linear_takes_the_kernel_for_small_batches_and_onednn_beyond(kernel: SmallBatchLinear) -> None:
     weight = (torch.randn(960, 576) / 24).bfloat16()
     bias = torch.randn(960).bfloat16()
-    linear = make_linear(weight, bias, packed=True, small_batch=kernel)
+    linear = Linear(weight, bias, packed=True, small_batch=kernel)
     for rows in (1, MAX_ROWS, MAX_ROWS + 1, 64):
         x = torch.randn(rows, 576).bfloat16()
         torch.testing.assert_close(linear(x).float(), reference(x, weight, bias), rtol=1e-2, atol=2e-2)
