@@ -13,7 +13,6 @@ raises `KernelBuildError` and the worker keeps the other kernels.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ import torch
 
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, load
+from kernels.cpu_linear import LINEAR_ARGTYPES, check_bias, check_input, run_linear
 
 MAX_ROWS = 64  # the worker takes oneDNN past this
 
@@ -57,13 +57,8 @@ class AmxLinear:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        require(
-            x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
-            "x",
-            x,
-            "a bfloat16 [rows, in] CPU tensor with contiguous rows",
-        )
-        rows, k = x.shape
+        check_input(x)
+        k = x.shape[1]
         require(
             packed.dim() == 5
             and packed.dtype == torch.bfloat16
@@ -75,27 +70,8 @@ class AmxLinear:
             f"a weight of input size {k} from kernels.cpu_amx.pack",
         )
         n = packed.shape[0] * 16
-        if bias is not None:
-            require(
-                bias.shape == (n,) and bias.dtype == torch.bfloat16 and bias.is_contiguous(),
-                "bias",
-                bias,
-                f"a contiguous bfloat16 [{n}] tensor",
-            )
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        if rows:
-            self._function(
-                x.data_ptr(),
-                x.stride(0),
-                packed.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                out.data_ptr(),
-                rows,
-                n,
-                k,
-                torch.get_num_threads(),
-            )
-        return out
+        check_bias(bias, n)
+        return run_linear(self._function, x, packed, bias, n)
 
 
 def load_amx_linear() -> AmxLinear:
@@ -108,17 +84,7 @@ def load_amx_linear() -> AmxLinear:
                 raise KernelBuildError("the Linux kernel did not grant this process the AMX tile state")
             function = library.duoserve_amx_linear
             function.restype = None
-            function.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int,
-            ]
+            function.argtypes = LINEAR_ARGTYPES
             _function = function
         return AmxLinear(_function)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +28,60 @@ _lock = threading.Lock()
 _function: Callable[..., None] | None = None
 
 
+# The C signature both CPU linear kernels share: x, x_stride, weight, bias, y, rows, n, k, threads.
+LINEAR_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
+
+
+def check_input(x: torch.Tensor) -> None:
+    require(
+        x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
+        "x",
+        x,
+        "a bfloat16 [rows, in] CPU tensor with contiguous rows",
+    )
+
+
+def check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None:
+        require(
+            bias.shape == (n,) and bias.dtype == torch.bfloat16 and bias.is_contiguous(),
+            "bias",
+            bias,
+            f"a contiguous bfloat16 [{n}] tensor",
+        )
+
+
+def run_linear(
+    function: Callable[..., None], x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """y [rows, n] from a kernel of LINEAR_ARGTYPES' signature, its arguments checked."""
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    if rows:
+        function(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
+    return out
+
+
 class SmallBatchLinear:
     """The loaded kernel; call it like F.linear on bfloat16 tensors with at most MAX_ROWS rows."""
 
@@ -36,12 +91,7 @@ class SmallBatchLinear:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        require(
-            x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
-            "x",
-            x,
-            "a bfloat16 [rows, in] CPU tensor with contiguous rows",
-        )
+        check_input(x)
         rows, k = x.shape
         require(1 <= rows <= MAX_ROWS, "x", x, f"1..{MAX_ROWS} rows")
         require(
@@ -55,26 +105,8 @@ class SmallBatchLinear:
         )
         n = weight.shape[0]
         require(k % 32 == 0 and n % 16 == 0, "weight", weight, "in a multiple of 32, out a multiple of 16")
-        if bias is not None:
-            require(
-                bias.shape == (n,) and bias.dtype == torch.bfloat16 and bias.is_contiguous(),
-                "bias",
-                bias,
-                f"a contiguous bfloat16 [{n}] tensor",
-            )
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        self._function(
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            k,
-            torch.get_num_threads(),
-        )
-        return out
+        check_bias(bias, n)
+        return run_linear(self._function, x, weight, bias, n)
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -95,17 +127,7 @@ def load_small_batch_linear() -> SmallBatchLinear:
         if _function is None:
             function = load(build("small_batch_linear.c", {"MAX_ROWS": MAX_ROWS})).duoserve_small_batch_linear
             function.restype = None
-            function.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int,
-            ]
+            function.argtypes = LINEAR_ARGTYPES
             _function = function
         return SmallBatchLinear(_function)
 

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from gpu_worker.linear import Linear
 from kernels.cpu_amx import MAX_ROWS, AmxLinear, load_amx_linear, pack
-
-
-def has_amx_bf16() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
+from tests.test_cpu_linear_kernel import cpu_has
 
 # Only a CPU without AMX cannot run the kernel; anywhere else a build failure fails here.
-needs_amx = pytest.mark.skipif(not has_amx_bf16(), reason="this CPU has no AMX-BF16")
+needs_amx = pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -12,11 +12,16 @@ from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear, load_small_batch_line
 from scheduler.model_files import find_default_model
 
 
-def has_avx512_bf16() -> bool:
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag."""
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        return flag in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
+
+
+def has_avx512_bf16() -> bool:
+    return cpu_has("avx512_bf16")
 
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
