@@ -169,7 +169,10 @@ def test_queued_prompt_tokens_beyond_the_limit_are_refused(two_slot_server: Serv
     with Client(two_slot_server.target, retries=0) as client:
         load = [long_running(client, 64) for _ in range(2)]
         wait_running(two_slot_server, 2)
-        waiting = threading.Thread(target=lambda: client.generate(prompt_token_ids=[17] * 1000, max_tokens=1))
+        # In the load's class, so it cannot preempt its way in: it waits until a load request ends.
+        waiting = threading.Thread(
+            target=lambda: client.generate(prompt_token_ids=[17] * 1000, max_tokens=1, priority="batch")
+        )
         waiting.start()
         deadline = time.monotonic() + 10
         while metrics(two_slot_server)['duoserve_queue_size{queue="waiting"}'] < 1:
