@@ -16,7 +16,7 @@
 static inline float silu(float x)
 {
     const float e = exp_nonpositive(x < 0.0f ? x : -x); /* exp(-|x|) */
-    const float sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+    const float sigmoid = (x < 0.0f ? e : 1.0f) / (1.0f + e); /* one division, either side */
     return x * sigmoid;
 }
 
