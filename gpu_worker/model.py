@@ -321,7 +321,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
-        stacked = self._run_decode_stack(x, residual, batch, kv_caches, yield_point)
+        stacked = self._run_decode_stack(layers, x, residual, batch, kv_caches, yield_point)
         if stacked is not None:
             x = stacked
         else:
@@ -336,6 +336,7 @@ class LlamaModel(nn.Module):
 
     def _run_decode_stack(
         self,
+        layers: Sequence[DecoderLayer],
         x: torch.Tensor,
         residual: torch.Tensor,
         batch: ForwardBatch,
@@ -347,7 +348,6 @@ class LlamaModel(nn.Module):
         kernel, else up to MAX_ROWS with the small-batch one. None (nothing done) otherwise. The
         stack is bound to these KV caches on first use."""
         attention = self.attention
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         amx = layers[0].qkv.amx_weight is not None
         if (
             not isinstance(attention, CpuPagedAttention)

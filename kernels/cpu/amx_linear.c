@@ -1,8 +1,9 @@
 /*
  * y = x @ w.T (+ bias) in bfloat16 on AMX tiles, for decode-sized batches (1 to 64 rows). Such a
  * product streams every weight once per step and does little with it: with AMX the multiplies
- * take a few percent of the time the weights take to arrive, so what counts is streaming them. The weight is packed once (kernels/cpu_amx.py) into the tile layout, one
- * contiguous strip of K per 16 output columns, and OpenMP gives each thread whole strips.
+ * take a few percent of the time the weights take to arrive, so what counts is streaming them.
+ * The weight is packed once (kernels/cpu_amx.py) into the tile layout, one contiguous strip of K
+ * per 16 output columns, and OpenMP gives each thread whole strips.
  *
  * Tiles: C0..C3 accumulate up to 64 rows x 16 columns in float32 (16 rows each, the last one
  * `tail` rows), A (t4, 16 rows; t5, the tail's rows) holds 32 columns of x, B (t6) the strip's
@@ -80,47 +81,35 @@ void duoserve_amx_linear(const uint16_t *x_all, int64_t x_stride, const uint16_t
                 }
                 const uint16_t *x = x_all + row0 * x_stride;
                 const int64_t stride = x_stride * 2; /* bytes */
-                if (tiles == 1) {
-                    /* One tile of `tail` rows: A in t5, C in t3 (both tail-sized). */
-                    _tile_zero(3);
-                    for (int64_t s = 0; s < k / 32; s++) {
-                        _tile_loadd(6, strip + s * 512, 64);
-                        _tile_loadd(5, x + s * 32, stride);
-                        _tile_dpbf16ps(3, 5, 6);
-                    }
-                    _tile_stored(3, c, 64);
-                } else {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    for (int64_t s = 0; s < k / 32; s++) {
-                        _tile_loadd(6, strip + s * 512, 64);
-                        const uint16_t *a = x + s * 32;
+                /* Row tiles before the last go through A t4 into C0..C2; the last, `tail` rows,
+                 * through A t5 into C3. Tile numbers are immediates, hence the unrolling. */
+                const int64_t last = 16 * (tiles - 1) * x_stride;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < k / 32; s++) {
+                    _tile_loadd(6, strip + s * 512, 64);
+                    const uint16_t *a = x + s * 32;
+                    if (tiles > 1) {
                         _tile_loadd(4, a, stride);
                         _tile_dpbf16ps(0, 4, 6);
-                        if (tiles == 2) {
-                            _tile_loadd(5, a + 16 * x_stride, stride);
-                            _tile_dpbf16ps(3, 5, 6);
-                            continue;
-                        }
+                    }
+                    if (tiles > 2) {
                         _tile_loadd(4, a + 16 * x_stride, stride);
                         _tile_dpbf16ps(1, 4, 6);
-                        if (tiles == 3) {
-                            _tile_loadd(5, a + 32 * x_stride, stride);
-                            _tile_dpbf16ps(3, 5, 6);
-                            continue;
-                        }
+                    }
+                    if (tiles > 3) {
                         _tile_loadd(4, a + 32 * x_stride, stride);
                         _tile_dpbf16ps(2, 4, 6);
-                        _tile_loadd(5, a + 48 * x_stride, stride);
-                        _tile_dpbf16ps(3, 5, 6);
                     }
-                    _tile_stored(0, c, 64);
-                    if (tiles > 2) _tile_stored(1, c + 16 * 16, 64);
-                    if (tiles > 3) _tile_stored(2, c + 32 * 16, 64);
-                    _tile_stored(3, c + (tiles - 1) * 16 * 16, 64);
+                    _tile_loadd(5, a + last, stride);
+                    _tile_dpbf16ps(3, 5, 6);
                 }
+                if (tiles > 1) _tile_stored(0, c, 64);
+                if (tiles > 2) _tile_stored(1, c + 16 * 16, 64);
+                if (tiles > 3) _tile_stored(2, c + 32 * 16, 64);
+                _tile_stored(3, c + (tiles - 1) * 16 * 16, 64);
                 store_rows(c, rows, bias, y_all + row0 * n, n, strip_index * 16);
             }
         }
