@@ -16,7 +16,7 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import Linear, amx_kernel, packed_linear_available, small_batch_kernel
+from gpu_worker.linear import GateUpLinear, Linear, amx_kernel, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
 from kernels import cpu_amx
 from kernels.cpu_amx import AmxLinear
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         """Bind the four matmuls to the current weights (call again after loading them)."""
         self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, small_batch, amx)
         self.o_proj = Linear(self.o_weight, None, packed, small_batch, amx)
-        self.gate_up = Linear(self.gate_up_weight, None, packed, small_batch, amx)
+        self.gate_up = GateUpLinear(self.gate_up_weight, packed, small_batch, amx)
         self.down = Linear(self.down_weight, None, packed, small_batch, amx)
 
     def forward(
@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         x = ops.fused_add_rms_norm(
             attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
         )
-        mlp = self.down(ops.silu_and_mul(self.gate_up(x)))
+        mlp = self.down(self.gate_up.silu_and_mul(x, ops.silu_and_mul))
         return ops.fused_add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
 
     def _attention(
@@ -185,8 +185,12 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] → [T, hidden]
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, ffn] each
-        return self.down(F.silu(gate) * up)
+        return self.down(self.gate_up.silu_and_mul(x, _silu_and_mul))
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 ffn] → [T, ffn]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,110 @@
+"""The MLP's gate/up linear: SiLU(gate) * up through oneDNN post-ops, and the paths around them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpu_worker.linear as linear
+from gpu_worker.linear import GateUpLinear, amx_kernel, onednn_post_ops_available, packed_linear_available
+from tests.test_cpu_linear_kernel import has_avx512_bf16
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(
+    not packed_linear_available(torch.bfloat16, CPU), reason="no oneDNN packed bfloat16 linear here"
+)
+
+HIDDEN, FFN = 576, 1536  # SmolLM2's MLP
+
+
+def weights(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(2 * FFN, HIDDEN, generator=gen) / HIDDEN**0.5).bfloat16()
+
+
+def inputs(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    gate, up = (x.float() @ weight.float().T).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_op(gate_up: torch.Tensor) -> torch.Tensor:
+    """What the model's fused op computes from the bfloat16 projection."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).bfloat16()
+
+
+def refuse(gate_up: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("the fallback ran on a step oneDNN takes")
+
+
+def test_post_ops_run_here() -> None:
+    # This CPU type (CI's) has them; only a CPU without AVX-512 BF16 may lack them.
+    if has_avx512_bf16():
+        assert onednn_post_ops_available()
+
+
+@pytest.mark.parametrize("rows", [65, 100, 512])
+def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> None:
+    if not onednn_post_ops_available():
+        pytest.skip("oneDNN here lacks the post-ops (test_post_ops_run_here says where that fails)")
+    weight = weights(rows)
+    lin = GateUpLinear(weight, packed=True, amx=amx_kernel())
+    x = inputs(rows, rows + 1)
+    out = lin.silu_and_mul(x, refuse)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, FFN)
+    # float32 sums of exact bfloat16 products; the SiLU'd gate and the product each round to bfloat16.
+    torch.testing.assert_close(out.float(), reference(x, weight), rtol=2e-2, atol=2e-2)
+    # As close to float32 as the fused op on the rounded projection, on average.
+    ours = (out.float() - reference(x, weight)).abs().mean()
+    theirs = (fused_op(lin(x)).float() - reference(x, weight)).abs().mean()
+    assert ours <= theirs * 1.1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, 64])
+def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
+    amx = amx_kernel()
+    if amx is None:
+        pytest.skip("no AMX linear on this CPU: oneDNN takes every step (the test above)")
+    lin = GateUpLinear(weights(rows), packed=True, amx=amx)
+    x = inputs(rows, rows)
+    seen = []
+
+    def fallback(gate_up: torch.Tensor) -> torch.Tensor:
+        seen.append(gate_up)
+        return fused_op(gate_up)
+
+    out = lin.silu_and_mul(x, fallback)
+    assert len(seen) == 1 and seen[0].shape == (rows, 2 * FFN)
+    assert torch.equal(seen[0], amx(x, lin.amx_weight))
+    assert torch.equal(out, fused_op(seen[0]))
+
+
+@pytest.mark.parametrize("rows", [3, 64, 65, 300])
+def test_the_whole_projection_is_still_there(rows: int) -> None:
+    # oneDNN packs gate and up apart; calling the linear gives both side by side on every path.
+    weight = weights(rows)
+    lin = GateUpLinear(weight, packed=True, amx=amx_kernel())
+    x = inputs(rows, 7)
+    out = lin(x)
+    assert out.shape == (rows, 2 * FFN)
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, rtol=1e-2, atol=1e-2)
+
+
+def test_without_the_post_ops_onednn_steps_take_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_post_ops", [False])
+    lin = GateUpLinear(weights(0), packed=True, amx=amx_kernel())
+    x = inputs(100, 0)
+    assert torch.equal(lin.silu_and_mul(x, fused_op), fused_op(lin(x)))
+
+
+def test_unpacked_weights_take_f_linear_and_the_fallback() -> None:
+    weight = weights(1).float()
+    lin = GateUpLinear(weight, packed=False)
+    x = inputs(100, 1).float()
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    assert torch.equal(lin.silu_and_mul(x, lambda gu: F.silu(gu[:, :FFN]) * gu[:, FFN:]), F.silu(gate) * up)
