@@ -301,7 +301,7 @@ class Engine:
         task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))
         task.add_done_callback(self._on_send_done)
 
-    def _on_send_done(self, task: asyncio.Future[None]) -> None:
+    def _on_send_done(self, task: asyncio.Future[object]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.error("sending a step to the worker failed: %s", task.exception())
             self._lose_worker("the worker was lost: it could not be reached")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable
 from pathlib import Path
 
 import zmq
@@ -83,9 +84,13 @@ class WorkerLink:
             self._identity = bytes(identity.buffer)
         return message
 
-    async def send(self, message: worker_pb2.SchedulerMessage) -> None:
+    def send(self, message: worker_pb2.SchedulerMessage) -> Awaitable[object]:
+        """Hand the message to ZeroMQ now, not when the event loop next runs a task: a step
+        dispatched before the scheduler's text work then reaches the worker before that work.
+        It is a future, done once ZeroMQ took it (at once unless its queue to the worker is full)
+        and holds any error."""
         assert self._identity is not None, "no worker has connected yet"
-        await self._socket.send_multipart([self._identity, message.SerializeToString()])
+        return self._socket.send_multipart([self._identity, message.SerializeToString()])
 
     def close(self) -> None:
         # A short linger lets a queued Shutdown reach the worker before the socket goes.

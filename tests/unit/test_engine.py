@@ -47,6 +47,7 @@ class ScriptedWorker:
     garbage_at_step: int | None = None  # send undecodable bytes before answering this step
     seen_seq_ids: set[int] = field(default_factory=set)
     steps: list[list[int]] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)  # time.monotonic() as each step came in
     urgent_steps: list[int] = field(default_factory=list)  # indexes into steps
     _thread: threading.Thread | None = None
 
@@ -78,6 +79,7 @@ class ScriptedWorker:
         lengths: dict[int, list[int]] = {}  # seq_id -> [tokens known, tokens computed]
         while True:
             message = worker_pb2.SchedulerMessage.FromString(socket.recv())
+            self.arrived.append(time.monotonic())
             if message.WhichOneof("kind") != "step":
                 break
             step = message.step
@@ -181,6 +183,37 @@ def test_a_queued_request_past_its_deadline_never_reaches_the_worker() -> None:
         assert await outcome(running) == ([TOKEN] * 30, "LENGTH")
         assert queued.seq_id not in worker.seen_seq_ids
         assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+class SlowDetokenizer(SilentDetokenizer):
+    """Text work that takes `seconds` a token, and says when each token's ended."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.done: list[float] = []
+
+    def push(self, token_id: int) -> str:
+        time.sleep(self.seconds)
+        self.done.append(time.monotonic())
+        return ""
+
+
+def test_the_next_step_reaches_the_worker_before_the_text_work_of_the_last() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), step_seconds=0.01)
+        engine = await with_engine(worker)
+        request = make_request(engine, 5, max_tokens=3)
+        detokenizer = SlowDetokenizer(0.2)
+        request.detokenizer = cast(Any, detokenizer)
+        assert engine.submit(request) is Admission.ADMITTED
+        assert await outcome(request) == ([TOKEN] * 3, "LENGTH")
+        # Step 2 went out while the first token's text was being made, not after.
+        assert len(worker.arrived) >= 3 and len(detokenizer.done) == 3
+        assert worker.arrived[1] < detokenizer.done[0] - 0.1
+        assert worker.arrived[2] < detokenizer.done[1] - 0.1
         await stop(engine, worker)
 
     asyncio.run(scenario())
