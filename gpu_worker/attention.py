@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
+from kernels.cpu_prefill import AmxPrefillAttention
 from kernels.cpu_stack import CpuDecodeStack
 
 
@@ -106,7 +107,20 @@ class TorchPagedAttention:
         if batch.decode is not None:
             num = batch.decode.num_seqs
             out[:num] = self._decode(q[:num], k_cache, v_cache, batch.decode)
-        for run in fresh_runs(batch.prefills):
+        self._prefills(q, k, v, k_cache, v_cache, batch.prefills, out)
+        return out.view(q.shape[0], -1)
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunks: Sequence[PrefillAttention],
+        out: torch.Tensor,  # [T, H, D]: each chunk's rows are written
+    ) -> None:
+        for run in fresh_runs(chunks):
             if len(run) > 1:  # whole prompts of one length, rows back to back: one call for all
                 rows = slice(run[0].token_start, run[-1].token_start + run[-1].num_tokens)
                 out[rows] = self._fresh_prefills(q[rows], k[rows], v[rows], len(run))
@@ -114,7 +128,6 @@ class TorchPagedAttention:
             chunk = run[0]
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, chunk)
-        return out.view(q.shape[0], -1)
 
     def _write_kv(
         self,
@@ -206,9 +219,11 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py);
-    prefill chunks take the torch path. With `fused_ops` (kernels/cpu_fused.py) the KV write is one C
-    call too (see TorchPagedAttention._write_kv), and the model runs its fused forward."""
+    """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py).
+    Chunks that start their prompt take the AMX kernel where it runs (kernels/cpu_prefill.py), all in
+    one call; chunks behind a cached prefix take the torch path. With `fused_ops` (kernels/cpu_fused.py)
+    the KV write is one C call too (see TorchPagedAttention._write_kv), and the model runs its fused
+    forward."""
 
     name = "cpu"
     fused_ops: CpuFusedOps | None
@@ -221,6 +236,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel: CpuDecodeAttention,
         fused_ops: CpuFusedOps | None = None,
         decode_stack: CpuDecodeStack | None = None,
+        prefill_kernel: AmxPrefillAttention | None = None,
     ) -> None:
         """`decode_stack` (with `fused_ops`, bfloat16): decode steps of one or two sequences run
         every layer in one C call (kernels/cpu_stack.py)."""
@@ -228,6 +244,25 @@ class CpuPagedAttention(TorchPagedAttention):
         self.kernel = kernel
         self.fused_ops = fused_ops
         self.decode_stack = decode_stack if fused_ops is not None else None
+        self.prefill_kernel = prefill_kernel
+
+    def _prefills(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunks: Sequence[PrefillAttention],
+        out: torch.Tensor,
+    ) -> None:
+        if self.prefill_kernel is None or q.dtype != torch.bfloat16:
+            super()._prefills(q, k, v, k_cache, v_cache, chunks, out)
+            return
+        whole = [(chunk.token_start, chunk.num_tokens) for chunk in chunks if chunk.key_slots is None]
+        self.prefill_kernel(q, k, v, whole, out)
+        behind_prefix = [chunk for chunk in chunks if chunk.key_slots is not None]
+        super()._prefills(q, k, v, k_cache, v_cache, behind_prefix, out)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention

@@ -1,12 +1,18 @@
-"""Prefill attention on the CPU (torch SDPA): whole prompts of one length run as one call."""
+"""Prefill attention on the CPU: torch SDPA runs whole prompts of one length as one call; the CPU
+backend sends every whole prompt to the AMX kernel in one call."""
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 import pytest
 import torch
 
-from gpu_worker.attention import TorchPagedAttention, fresh_runs
+from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, fresh_runs
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from kernels.cpu_decode import load_cpu_decode_attention
+from kernels.cpu_prefill import AmxPrefillAttention, load_amx_prefill_attention
+from tests.test_cpu_linear_kernel import cpu_has
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8
 
@@ -73,3 +79,42 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
         values = torch.cat([v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots], v[rows]])
         expected = reference(q[rows], keys, values)
         torch.testing.assert_close(together[rows].double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
+def test_the_cpu_backend_sends_whole_prompts_to_the_amx_kernel_in_one_call() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
+    tokens = batch.num_tokens
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    decode = load_cpu_decode_attention(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, BLOCK_SIZE, torch.bfloat16)
+    prefill = load_amx_prefill_attention(HEAD_DIM)
+    calls = []
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(args[3])
+        return prefill(*args)
+
+    with_kernel = CpuPagedAttention(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(AmxPrefillAttention, counted)
+    )
+    without = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode)
+    ours = with_kernel(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
+    theirs = without(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
+    whole = [(p.token_start, p.num_tokens) for p in batch.prefills if p.key_slots is None]
+    assert calls == [whole] and len(whole) == 6
+    behind_prefix = [p for p in batch.prefills if p.key_slots is not None]
+    assert len(behind_prefix) == 1
+    for chunk in batch.prefills:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        if chunk.key_slots is None:
+            expected = reference(q[rows], k[rows], v[rows])
+            torch.testing.assert_close(ours[rows].double(), expected, atol=2e-2, rtol=2e-2)
+        else:  # the torch path, as without the kernel
+            assert torch.equal(ours[rows], theirs[rows])
+    assert batch.decode is not None
+    assert torch.equal(ours[: batch.decode.num_seqs], theirs[: batch.decode.num_seqs])

@@ -1,0 +1,307 @@
+/*
+ * Causal attention of whole prompts (chunks with no cached prefix) on AMX tiles, bfloat16 in and
+ * out. A prefill step of SmolLM2 spends a fifth of its time here, and torch's CPU flash kernel
+ * reaches about 100 GFLOP/s on these shapes; the tiles multiply far faster, so what remains is
+ * the softmax.
+ *
+ * Per prompt and kv head, keys and values are first packed into the tiles' pair layout (zero past
+ * the prompt's end). Then each work item, one query head and 16 query rows, computes its scores
+ * against every key it may see in float32 tiles, takes an exact softmax row by row (no running
+ * rescale: the rows fit in cache), rounds the probabilities to bfloat16 and multiplies them with
+ * the values, summing in float32 tiles.
+ *
+ * Tiles, all 16 rows x 64 bytes: t0 scores, t1 the A operand (queries or probabilities), t2 the
+ * B operand (keys or values), t3.. the output's HEAD_DIM / 16 column blocks.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "the AMX prefill attention needs AMX-TILE, AMX-BF16 and AVX-512 BF16"
+#endif
+#include <immintrin.h>
+
+#ifndef HEAD_DIM
+#error "build with -DHEAD_DIM=32|64"
+#endif
+#if HEAD_DIM != 32 && HEAD_DIM != 64
+#error "HEAD_DIM must be 32 or 64"
+#endif
+#define D HEAD_DIM
+#define DSTEPS (D / 32) /* 32-element steps of a query-key product */
+#define OTILES (D / 16) /* 16-column blocks of the output */
+#define ALIGN 64
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Ask the kernel for the AMX tile state (once per process; 0 when granted). */
+int duoserve_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static void configure(void)
+{
+    tile_config cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 3 + OTILES; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* The calling thread's workspace, kept between calls (a step calls once per layer). */
+static __thread void *workspace;
+static __thread size_t workspace_bytes;
+
+static void *grow_workspace(size_t bytes)
+{
+    if (bytes > workspace_bytes) {
+        free(workspace);
+        workspace = aligned_alloc(ALIGN, (size_t)round_up((int64_t)bytes, ALIGN));
+        workspace_bytes = workspace ? bytes : 0;
+    }
+    return workspace;
+}
+
+/* exp(x) for x <= 0, 16 lanes: 2^n * p(f) as in elements.h's exp_nonpositive. */
+static inline __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 first(int64_t lanes) { return lanes >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lanes) - 1u); }
+
+/* One row of scores s[0 .. seen): exp((s - max) * scale) as bfloat16 in prob[0 .. seen), zeros in
+ * prob[seen .. end), and the sum of those exps (the caller divides the row's output by it). Both
+ * hold at least `end` elements, end in 16s. */
+static float softmax_row(const float *s, uint16_t *prob, int64_t seen, int64_t end, float scale)
+{
+    __m512 top = _mm512_set1_ps(-3.0e38f), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 16) {
+        const __mmask16 m = first(seen - j);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top)), factor = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < end; j += 16) {
+        __m512 e = _mm512_setzero_ps();
+        if (j < seen)
+            e = _mm512_maskz_mov_ps(first(seen - j), exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift), factor)));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i *)(prob + j), rounded);
+        /* The sum of what the values are multiplied by: the rounded probabilities. */
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* A 16 x 16 matrix of 32-bit elements, transposed in registers. */
+static void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* Each 128-bit lane k of r[4a + b] now holds rows 4a..4a+3 at columns 4k + b. */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);      /* lanes 0, 2 of each */
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);  /* lanes 1, 3 */
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);       /* column lane 0 */
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);   /* column lane 2 */
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88); /* column lane 1 */
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd); /* column lane 3 */
+    }
+}
+
+/* Keys [len, D] (rows `stride` apart) -> [len / 16][DSTEPS][16 pairs][16 keys] of (d, d + 1). */
+static void pack_keys(const uint16_t *k, int64_t stride, int64_t len, uint32_t *packed)
+{
+    for (int64_t j0 = 0; j0 < len; j0 += 16)
+        for (int s = 0; s < DSTEPS; s++) {
+            __m512i rows[16];
+            for (int n = 0; n < 16; n++)
+                rows[n] = j0 + n < len ? _mm512_loadu_si512(k + (j0 + n) * stride + s * 32) : _mm512_setzero_si512();
+            transpose16(rows);
+            uint32_t *tile = packed + ((j0 / 16) * DSTEPS + s) * 256;
+            for (int pair = 0; pair < 16; pair++) _mm512_storeu_si512(tile + pair * 16, rows[pair]);
+        }
+}
+
+/* Values [len, D] -> [len / 32][OTILES][16 key pairs][16 columns][2 keys]. */
+static void pack_values(const uint16_t *v, int64_t stride, int64_t len, uint16_t *packed)
+{
+    /* Interleave two rows' 16-bit columns: (a[d], b[d]) for d in 0..15, then 16..31. */
+    __m512i low_index, high_index;
+    {
+        uint16_t low[32], high[32];
+        for (int d = 0; d < 16; d++) {
+            low[2 * d] = (uint16_t)d, low[2 * d + 1] = (uint16_t)(32 + d);
+            high[2 * d] = (uint16_t)(16 + d), high[2 * d + 1] = (uint16_t)(48 + d);
+        }
+        low_index = _mm512_loadu_si512(low);
+        high_index = _mm512_loadu_si512(high);
+    }
+    for (int64_t j = 0; j < round_up(len, 32); j += 2) {
+        uint16_t *chunk = packed + (j / 32) * OTILES * 512 + ((j % 32) / 2) * 32;
+        for (int half = 0; half < D / 32; half++) {
+            const __m512i a = j < len ? _mm512_loadu_si512(v + j * stride + half * 32) : _mm512_setzero_si512();
+            const __m512i b = j + 1 < len ? _mm512_loadu_si512(v + (j + 1) * stride + half * 32) : _mm512_setzero_si512();
+            _mm512_storeu_si512(chunk + (2 * half) * 512, _mm512_permutex2var_epi16(a, low_index, b));
+            _mm512_storeu_si512(chunk + (2 * half + 1) * 512, _mm512_permutex2var_epi16(a, high_index, b));
+        }
+    }
+}
+
+/*
+ * q: [T, H, D] bf16, rows q_stride elements apart (heads D apart); k, v: [T, Hkv, D], rows
+ * k_stride / v_stride apart; out: [T, H, D], rows out_stride apart. Prompt p is rows
+ * [starts[p], starts[p] + lens[p]), causal within itself. Query head h reads kv head
+ * h / (H / Hkv). scale: the scores' factor (1 / sqrt(D)).
+ */
+int duoserve_amx_causal_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                                   const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
+                                   const int64_t *starts, const int64_t *lens, int64_t num_prompts,
+                                   int64_t num_heads, int64_t num_kv_heads, float scale, int num_threads)
+/* Returns 0, or -1 when the workspace could not be allocated (nothing written). */
+{
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t packed_elems = 0, longest = 0, items = 0;
+    for (int64_t p = 0; p < num_prompts; p++) {
+        packed_elems += num_kv_heads * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
+        longest = lens[p] > longest ? lens[p] : longest;
+        items += round_up(lens[p], 16) / 16 * num_heads;
+    }
+    const int64_t width = round_up(longest, 32); /* a score or probability row */
+    const size_t per_thread = (size_t)(16 * width * 4 + 16 * width * 2 + 16 * D * 2 + 16 * D * 4);
+    const size_t packed_bytes = (size_t)round_up(packed_elems * 2, ALIGN);
+    uint8_t *base = grow_workspace(packed_bytes + (size_t)num_threads * round_up((int64_t)per_thread, ALIGN));
+    if (!base) return -1;
+    uint16_t *packed = (uint16_t *)base;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Packing: one (prompt, kv head) at a time. */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_prompts * num_kv_heads; item++) {
+            const int64_t p = item / num_kv_heads, g = item % num_kv_heads;
+            int64_t offset = 0;
+            for (int64_t e = 0; e < p; e++) offset += num_kv_heads * (round_up(lens[e], 16) + round_up(lens[e], 32)) * D;
+            uint16_t *keys = packed + offset + g * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
+            pack_keys(k + starts[p] * k_stride + g * D, k_stride, lens[p], (uint32_t *)keys);
+            pack_values(v + starts[p] * v_stride + g * D, v_stride, lens[p], keys + round_up(lens[p], 16) * D);
+        }
+
+        uint8_t *mine = base + packed_bytes + (size_t)omp_get_thread_num() * round_up((int64_t)per_thread, ALIGN);
+        float *scores = (float *)mine;                           /* [16][width] */
+        uint16_t *probs = (uint16_t *)(scores + 16 * width);     /* [16][width] */
+        uint16_t *queries = probs + 16 * width;                  /* [16][D] */
+        float *outputs = (float *)(queries + 16 * D);            /* [16][D] */
+        configure();
+
+        /* Attention: one query head and 16 query rows per item, the longest rows first. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            int64_t p = 0, rest = item, offset = 0;
+            while (rest >= round_up(lens[p], 16) / 16 * num_heads) {
+                rest -= round_up(lens[p], 16) / 16 * num_heads;
+                offset += num_kv_heads * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
+                p++;
+            }
+            const int64_t len = lens[p], blocks = round_up(len, 16) / 16;
+            const int64_t i0 = (blocks - 1 - rest / num_heads) * 16, h = rest % num_heads, g = h / group;
+            const int64_t rows = len - i0 < 16 ? len - i0 : 16, last = i0 + rows - 1;
+            const uint16_t *keys = packed + offset + g * (round_up(len, 16) + round_up(len, 32)) * D;
+            const uint16_t *values = keys + round_up(len, 16) * D;
+
+            for (int64_t r = 0; r < 16; r++) {
+                if (r < rows) memcpy(queries + r * D, q + (starts[p] + i0 + r) * q_stride + h * D, D * 2);
+                else memset(queries + r * D, 0, D * 2);
+            }
+            /* Scores against key blocks 0 .. last / 16. */
+            for (int64_t jt = 0; jt <= last / 16; jt++) {
+                _tile_zero(0);
+                for (int s = 0; s < DSTEPS; s++) {
+                    _tile_loadd(1, queries + s * 32, D * 2);
+                    _tile_loadd(2, keys + (jt * DSTEPS + s) * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, scores + jt * 16, width * 4);
+            }
+            /* Softmax of row r over keys 0 .. i0 + r; zeros beyond, up to the last 32-key chunk. */
+            const int64_t chunks = last / 32 + 1;
+            float sums[16];
+            for (int64_t r = 0; r < 16; r++)
+                sums[r] = softmax_row(scores + r * width, probs + r * width, r < rows ? i0 + r + 1 : 0, chunks * 32, scale);
+            /* Probabilities x values, 32 keys at a time. */
+            _tile_zero(3);
+            _tile_zero(4);
+#if OTILES > 2
+            _tile_zero(5);
+            _tile_zero(6);
+#endif
+            for (int64_t c = 0; c < chunks; c++) {
+                const uint16_t *chunk = values + c * OTILES * 512;
+                _tile_loadd(1, probs + c * 32, width * 2);
+                _tile_loadd(2, chunk, 64);
+                _tile_dpbf16ps(3, 1, 2);
+                _tile_loadd(2, chunk + 512, 64);
+                _tile_dpbf16ps(4, 1, 2);
+#if OTILES > 2
+                _tile_loadd(2, chunk + 1024, 64);
+                _tile_dpbf16ps(5, 1, 2);
+                _tile_loadd(2, chunk + 1536, 64);
+                _tile_dpbf16ps(6, 1, 2);
+#endif
+            }
+            _tile_stored(3, outputs, D * 4);
+            _tile_stored(4, outputs + 16, D * 4);
+#if OTILES > 2
+            _tile_stored(5, outputs + 32, D * 4);
+            _tile_stored(6, outputs + 48, D * 4);
+#endif
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *dst = out + (starts[p] + i0 + r) * out_stride + h * D;
+                const __m512 inverse = _mm512_set1_ps(1.0f / sums[r]);
+                for (int c = 0; c < D / 16; c++)
+                    _mm256_storeu_si256((__m256i *)(dst + c * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(outputs + r * D + c * 16), inverse)));
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}

@@ -1,0 +1,101 @@
+"""The AMX causal attention of whole prompts against a float64 reference, and its launcher's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_build import KernelBuildError
+from kernels.cpu_prefill import AmxPrefillAttention, load_amx_prefill_attention
+from tests.test_cpu_linear_kernel import cpu_has
+
+# Only a CPU without AMX-BF16 cannot run the kernel; anywhere else a build failure fails here.
+pytestmark = pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one prompt in float64: query i sees keys 0..i of its kv head."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * q.shape[2] ** -0.5
+    visible = torch.ones(len(q), len(k), dtype=torch.bool).tril()
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
+def projections(tokens: int, heads: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the model has them: views into one [T, (H + 2 Hkv) * Dh] projection."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).bfloat16()
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    return q, k, v
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize(
+    "lengths", [[1], [2], [15], [16], [17], [31], [32], [33], [64], [100, 7, 1, 300], [256] * 4]
+)
+def test_each_prompt_attends_causally_to_itself(
+    head_dim: int, heads: int, kv_heads: int, lengths: list[int]
+) -> None:
+    kernel = load_amx_prefill_attention(head_dim)
+    gap = 3  # rows between prompts that no prompt owns: the kernel must leave them alone
+    starts = [sum(lengths[:i]) + gap * (i + 1) for i in range(len(lengths))]
+    tokens = starts[-1] + lengths[-1] + gap
+    q, k, v = projections(tokens, heads, kv_heads, head_dim, seed=sum(lengths) + heads)
+    out = torch.full((tokens, heads, head_dim), 7.0).bfloat16()
+    assert kernel(q, k, v, list(zip(starts, lengths, strict=True)), out) is out
+    owned = torch.zeros(tokens, dtype=torch.bool)
+    for start, length in zip(starts, lengths, strict=True):
+        rows = slice(start, start + length)
+        owned[rows] = True
+        expected = reference(q[rows], k[rows], v[rows])
+        # Probabilities and outputs round to bfloat16 once each; sums are float32.
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-2, rtol=2e-2)
+        assert (out[rows].double() - expected).abs().mean() < 2e-3
+    assert torch.equal(out[~owned], torch.full_like(out[~owned], 7.0))
+
+
+def test_a_prompt_gives_the_same_bits_alone_and_among_others() -> None:
+    kernel = load_amx_prefill_attention(64)
+    q, k, v = projections(90, 9, 3, 64, seed=1)
+    together = kernel(q, k, v, [(0, 40), (40, 50)], torch.empty(90, 9, 64, dtype=torch.bfloat16))
+    alone = kernel(q[40:], k[40:], v[40:], [(0, 50)], torch.empty(50, 9, 64, dtype=torch.bfloat16))
+    assert torch.equal(together[40:], alone)
+
+
+def test_no_prompts_write_nothing() -> None:
+    kernel = load_amx_prefill_attention(64)
+    q, k, v = projections(4, 9, 3, 64, seed=2)
+    out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    assert torch.equal(kernel(q, k, v, [], out), torch.zeros(4, 9, 64, dtype=torch.bfloat16))
+
+
+def test_other_head_dims_are_refused_at_load() -> None:
+    with pytest.raises(KernelBuildError, match="head_dim"):
+        load_amx_prefill_attention(128)
+
+
+def test_the_launcher_names_what_it_cannot_take() -> None:
+    kernel: AmxPrefillAttention = load_amx_prefill_attention(64)
+    q, k, v = projections(8, 9, 3, 64, seed=3)
+    out = torch.empty(8, 9, 64, dtype=torch.bfloat16)
+    prompts = [(0, 8)]
+    with pytest.raises(ValueError, match=r"^q: "):
+        kernel(q.float(), k, v, prompts, out)
+    with pytest.raises(ValueError, match=r"^q: "):
+        kernel(q[..., :32], k, v, prompts, out)
+    with pytest.raises(ValueError, match=r"^k: "):
+        kernel(q, k[:, :2], v, prompts, out)
+    with pytest.raises(ValueError, match=r"^v: "):
+        kernel(q, k, v[:4], prompts, out)
+    with pytest.raises(ValueError, match=r"^v: "):
+        kernel(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), prompts, out)
+    with pytest.raises(ValueError, match=r"^out: "):
+        kernel(q, k, v, prompts, out[:7])
+    with pytest.raises(ValueError, match=r"^prompts: "):
+        kernel(q, k, v, [(4, 5)], out)
+    with pytest.raises(ValueError, match=r"^prompts: "):
+        kernel(q, k, v, [(0, 0)], out)
