@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
-from kernels.cpu_prefill import AmxPrefillAttention
+from kernels.cpu_prefill import AmxPrefillAttention, Chunk
 from kernels.cpu_stack import CpuDecodeStack
 
 
@@ -220,8 +220,8 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py).
-    Chunks that start their prompt take the AMX kernel where it runs (kernels/cpu_prefill.py), all in
-    one call; chunks behind a cached prefix take the torch path. With `fused_ops` (kernels/cpu_fused.py)
+    Prefill chunks take the AMX kernel where it runs (kernels/cpu_prefill.py), all in one call, else
+    the torch path. With `fused_ops` (kernels/cpu_fused.py)
     the KV write is one C call too (see TorchPagedAttention._write_kv), and the model runs its fused
     forward."""
 
@@ -259,10 +259,15 @@ class CpuPagedAttention(TorchPagedAttention):
         if self.prefill_kernel is None or q.dtype != torch.bfloat16:
             super()._prefills(q, k, v, k_cache, v_cache, chunks, out)
             return
-        whole = [(chunk.token_start, chunk.num_tokens) for chunk in chunks if chunk.key_slots is None]
-        self.prefill_kernel(q, k, v, whole, out)
-        behind_prefix = [chunk for chunk in chunks if chunk.key_slots is not None]
-        super()._prefills(q, k, v, k_cache, v_cache, behind_prefix, out)
+        # The step's K/V are in the cache by now, so a chunk behind a prefix reads all its keys there.
+        self.prefill_kernel(
+            q,
+            k,
+            v,
+            [Chunk(chunk.token_start, chunk.num_tokens, chunk.key_slots) for chunk in chunks],
+            out,
+            (k_cache, v_cache),
+        )
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention

@@ -1,4 +1,5 @@
-"""The AMX causal attention of whole prompts against a float64 reference, and its launcher's checks."""
+"""The AMX prefill attention against a float64 reference, with and without a cached prefix, and its
+launcher's checks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from kernels.cpu_build import KernelBuildError
-from kernels.cpu_prefill import AmxPrefillAttention, load_amx_prefill_attention
+from kernels.cpu_prefill import AmxPrefillAttention, Chunk, load_amx_prefill_attention
 from tests.test_cpu_linear_kernel import cpu_has
 
 # Only a CPU without AMX-BF16 cannot run the kernel; anywhere else a build failure fails here.
@@ -14,11 +15,11 @@ pytestmark = pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one prompt in float64: query i sees keys 0..i of its kv head."""
+    """Attention in float64 of a chunk's queries to its P + len(q) keys: query i sees keys 0..P+i."""
     group = q.shape[1] // k.shape[1]
     keys, values = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * q.shape[2] ** -0.5
-    visible = torch.ones(len(q), len(k), dtype=torch.bool).tril()
+    visible = torch.ones(len(q), len(k), dtype=torch.bool).tril(len(k) - len(q))
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
 
 
@@ -46,7 +47,7 @@ def test_each_prompt_attends_causally_to_itself(
     tokens = starts[-1] + lengths[-1] + gap
     q, k, v = projections(tokens, heads, kv_heads, head_dim, seed=sum(lengths) + heads)
     out = torch.full((tokens, heads, head_dim), 7.0).bfloat16()
-    assert kernel(q, k, v, list(zip(starts, lengths, strict=True)), out) is out
+    assert kernel(q, k, v, [Chunk(s, n) for s, n in zip(starts, lengths, strict=True)], out) is out
     owned = torch.zeros(tokens, dtype=torch.bool)
     for start, length in zip(starts, lengths, strict=True):
         rows = slice(start, start + length)
@@ -58,11 +59,46 @@ def test_each_prompt_attends_causally_to_itself(
     assert torch.equal(out[~owned], torch.full_like(out[~owned], 7.0))
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize(
+    ("prefix", "length"), [(1, 1), (1, 16), (15, 2), (16, 16), (17, 33), (250, 6), (300, 100)]
+)
+def test_a_chunk_behind_a_prefix_reads_its_keys_from_the_cache(
+    head_dim: int, heads: int, kv_heads: int, prefix: int, length: int
+) -> None:
+    kernel = load_amx_prefill_attention(head_dim)
+    block_size, num_blocks = 16, 64
+    gen = torch.Generator().manual_seed(prefix * length + heads)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    # A whole prompt first, then the chunk: its keys at scattered slots, its own written there.
+    q, k, v = projections(20 + length, heads, kv_heads, head_dim, seed=prefix)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[: prefix + length]
+    rows = slice(20, 20 + length)
+    k_cache.view(-1, kv_heads, head_dim)[slots[prefix:]] = k[rows]
+    v_cache.view(-1, kv_heads, head_dim)[slots[prefix:]] = v[rows]
+    out = kernel(
+        q,
+        k,
+        v,
+        [Chunk(0, 20), Chunk(20, length, slots)],
+        torch.empty_like(q).contiguous(),
+        (k_cache, v_cache),
+    )
+    keys = k_cache.view(-1, kv_heads, head_dim)[slots]
+    values = v_cache.view(-1, kv_heads, head_dim)[slots]
+    expected = reference(q[rows], keys, values)
+    torch.testing.assert_close(out[rows].double(), expected, atol=2e-2, rtol=2e-2)
+    assert (out[rows].double() - expected).abs().mean() < 2e-3
+    torch.testing.assert_close(out[:20].double(), reference(q[:20], k[:20], v[:20]), atol=2e-2, rtol=2e-2)
+
+
 def test_a_prompt_gives_the_same_bits_alone_and_among_others() -> None:
     kernel = load_amx_prefill_attention(64)
     q, k, v = projections(90, 9, 3, 64, seed=1)
-    together = kernel(q, k, v, [(0, 40), (40, 50)], torch.empty(90, 9, 64, dtype=torch.bfloat16))
-    alone = kernel(q[40:], k[40:], v[40:], [(0, 50)], torch.empty(50, 9, 64, dtype=torch.bfloat16))
+    together = kernel(q, k, v, [Chunk(0, 40), Chunk(40, 50)], torch.empty(90, 9, 64, dtype=torch.bfloat16))
+    alone = kernel(q[40:], k[40:], v[40:], [Chunk(0, 50)], torch.empty(50, 9, 64, dtype=torch.bfloat16))
     assert torch.equal(together[40:], alone)
 
 
@@ -82,7 +118,7 @@ def test_the_launcher_names_what_it_cannot_take() -> None:
     kernel: AmxPrefillAttention = load_amx_prefill_attention(64)
     q, k, v = projections(8, 9, 3, 64, seed=3)
     out = torch.empty(8, 9, 64, dtype=torch.bfloat16)
-    prompts = [(0, 8)]
+    prompts = [Chunk(0, 8)]
     with pytest.raises(ValueError, match=r"^q: "):
         kernel(q.float(), k, v, prompts, out)
     with pytest.raises(ValueError, match=r"^q: "):
@@ -95,7 +131,18 @@ def test_the_launcher_names_what_it_cannot_take() -> None:
         kernel(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), prompts, out)
     with pytest.raises(ValueError, match=r"^out: "):
         kernel(q, k, v, prompts, out[:7])
-    with pytest.raises(ValueError, match=r"^prompts: "):
-        kernel(q, k, v, [(4, 5)], out)
-    with pytest.raises(ValueError, match=r"^prompts: "):
-        kernel(q, k, v, [(0, 0)], out)
+    with pytest.raises(ValueError, match=r"^chunks: "):
+        kernel(q, k, v, [Chunk(4, 5)], out)
+    with pytest.raises(ValueError, match=r"^chunks: "):
+        kernel(q, k, v, [Chunk(0, 0)], out)
+    cache = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16)
+    behind = [Chunk(0, 8, torch.arange(10))]
+    with pytest.raises(ValueError, match=r"^kv_cache: "):
+        kernel(q, k, v, behind, out)
+    with pytest.raises(ValueError, match=r"^k_cache: "):
+        kernel(q, k, v, behind, out, (cache.float(), cache))
+    with pytest.raises(ValueError, match=r"^v_cache: "):
+        kernel(q, k, v, behind, out, (cache, cache[:2]))
+    for slots in (torch.arange(8), torch.arange(10).int(), torch.arange(60, 70), torch.arange(-1, 9)):
+        with pytest.raises(ValueError, match=r"^key_slots: "):  # no prefix, int32, past the cache, negative
+            kernel(q, k, v, [Chunk(0, 8, slots)], out, (cache, cache))

@@ -1,5 +1,5 @@
 """Prefill attention on the CPU: torch SDPA runs whole prompts of one length as one call; the CPU
-backend sends every whole prompt to the AMX kernel in one call."""
+backend sends every prefill chunk to the AMX kernel in one call."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
 
 
 @pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
-def test_the_cpu_backend_sends_whole_prompts_to_the_amx_kernel_in_one_call() -> None:
+def test_the_cpu_backend_sends_every_prefill_chunk_to_the_amx_kernel_in_one_call() -> None:
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
     v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
@@ -103,18 +103,21 @@ def test_the_cpu_backend_sends_whole_prompts_to_the_amx_kernel_in_one_call() -> 
         NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(AmxPrefillAttention, counted)
     )
     without = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode)
-    ours = with_kernel(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
+    cache = (k_cache.clone(), v_cache.clone())
+    ours = with_kernel(q, k, v, cache, batch).view(tokens, NUM_HEADS, HEAD_DIM)
     theirs = without(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
-    whole = [(p.token_start, p.num_tokens) for p in batch.prefills if p.key_slots is None]
-    assert calls == [whole] and len(whole) == 6
-    behind_prefix = [p for p in batch.prefills if p.key_slots is not None]
-    assert len(behind_prefix) == 1
+    assert len(calls) == 1
+    assert [(c.start, c.length) for c in calls[0]] == [(p.token_start, p.num_tokens) for p in batch.prefills]
+    assert sum(c.key_slots is not None for c in calls[0]) == 1  # the chunk behind a prefix of 9
     for chunk in batch.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if chunk.key_slots is None:
-            expected = reference(q[rows], k[rows], v[rows])
-            torch.testing.assert_close(ours[rows].double(), expected, atol=2e-2, rtol=2e-2)
-        else:  # the torch path, as without the kernel
-            assert torch.equal(ours[rows], theirs[rows])
+            keys, values = k[rows], v[rows]
+        else:  # its keys as the cache holds them after this step's write
+            keys = cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[chunk.key_slots]
+            values = cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM)[chunk.key_slots]
+        expected = reference(q[rows], keys, values)
+        torch.testing.assert_close(ours[rows].double(), expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ours[rows], theirs[rows], atol=2e-2, rtol=2e-2)
     assert batch.decode is not None
     assert torch.equal(ours[: batch.decode.num_seqs], theirs[: batch.decode.num_seqs])

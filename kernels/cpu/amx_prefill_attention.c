@@ -1,14 +1,15 @@
 /*
- * Causal attention of whole prompts (chunks with no cached prefix) on AMX tiles, bfloat16 in and
- * out. A prefill step of SmolLM2 spends a fifth of its time here, and torch's CPU flash kernel
- * reaches about 100 GFLOP/s on these shapes; the tiles multiply far faster, so what remains is
- * the softmax.
+ * Prefill attention on AMX tiles, bfloat16 in and out: each chunk's queries attend causally to
+ * themselves and to all of their sequence's cached prefix. A prefill step of SmolLM2 spent a fifth
+ * of its time in torch's CPU flash kernel, which reaches about 100 GFLOP/s on these shapes; the
+ * tiles multiply far faster, so what remains is the softmax.
  *
- * Per prompt and kv head, keys and values are first packed into the tiles' pair layout (zero past
- * the prompt's end). Then each work item, one query head and 16 query rows, computes its scores
- * against every key it may see in float32 tiles, takes an exact softmax row by row (no running
- * rescale: the rows fit in cache), rounds the probabilities to bfloat16 and multiplies them with
- * the values, summing in float32 tiles.
+ * Per chunk and kv head, keys and values are first packed into the tiles' pair layout (zero past
+ * the last key): a whole prompt's from its own rows of k and v, a chunk behind a prefix's from the
+ * paged cache through its slots. Then each work item, one query head and 16 query rows, computes
+ * its scores against every key it may see in float32 tiles, takes an exact softmax row by row (no
+ * running rescale: the rows fit in cache), rounds the unnormalised probabilities to bfloat16,
+ * multiplies them with the values in float32 tiles and divides by their sum.
  *
  * Tiles, all 16 rows x 64 bytes: t0 scores, t1 the A operand (queries or probabilities), t2 the
  * B operand (keys or values), t3.. the output's HEAD_DIM / 16 column blocks.
@@ -147,14 +148,21 @@ static void transpose16(__m512i r[16])
     }
 }
 
-/* Keys [len, D] (rows `stride` apart) -> [len / 16][DSTEPS][16 pairs][16 keys] of (d, d + 1). */
-static void pack_keys(const uint16_t *k, int64_t stride, int64_t len, uint32_t *packed)
+/* Row j of a prompt's keys or values: base + j * stride, or base + slots[j] * stride (the cache). */
+static inline const uint16_t *row_of(const uint16_t *base, int64_t stride, const int64_t *slots, int64_t j)
+{
+    return base + (slots ? slots[j] : j) * stride;
+}
+
+/* Keys [len, D] -> [len / 16][DSTEPS][16 pairs][16 keys] of (d, d + 1). */
+static void pack_keys(const uint16_t *k, int64_t stride, const int64_t *slots, int64_t len, uint32_t *packed)
 {
     for (int64_t j0 = 0; j0 < len; j0 += 16)
         for (int s = 0; s < DSTEPS; s++) {
             __m512i rows[16];
             for (int n = 0; n < 16; n++)
-                rows[n] = j0 + n < len ? _mm512_loadu_si512(k + (j0 + n) * stride + s * 32) : _mm512_setzero_si512();
+                rows[n] = j0 + n < len ? _mm512_loadu_si512(row_of(k, stride, slots, j0 + n) + s * 32)
+                                       : _mm512_setzero_si512();
             transpose16(rows);
             uint32_t *tile = packed + ((j0 / 16) * DSTEPS + s) * 256;
             for (int pair = 0; pair < 16; pair++) _mm512_storeu_si512(tile + pair * 16, rows[pair]);
@@ -162,7 +170,7 @@ static void pack_keys(const uint16_t *k, int64_t stride, int64_t len, uint32_t *
 }
 
 /* Values [len, D] -> [len / 32][OTILES][16 key pairs][16 columns][2 keys]. */
-static void pack_values(const uint16_t *v, int64_t stride, int64_t len, uint16_t *packed)
+static void pack_values(const uint16_t *v, int64_t stride, const int64_t *slots, int64_t len, uint16_t *packed)
 {
     /* Interleave two rows' 16-bit columns: (a[d], b[d]) for d in 0..15, then 16..31. */
     __m512i low_index, high_index;
@@ -178,31 +186,41 @@ static void pack_values(const uint16_t *v, int64_t stride, int64_t len, uint16_t
     for (int64_t j = 0; j < round_up(len, 32); j += 2) {
         uint16_t *chunk = packed + (j / 32) * OTILES * 512 + ((j % 32) / 2) * 32;
         for (int half = 0; half < D / 32; half++) {
-            const __m512i a = j < len ? _mm512_loadu_si512(v + j * stride + half * 32) : _mm512_setzero_si512();
-            const __m512i b = j + 1 < len ? _mm512_loadu_si512(v + (j + 1) * stride + half * 32) : _mm512_setzero_si512();
+            const __m512i a = j < len ? _mm512_loadu_si512(row_of(v, stride, slots, j) + half * 32) : _mm512_setzero_si512();
+            const __m512i b =
+                j + 1 < len ? _mm512_loadu_si512(row_of(v, stride, slots, j + 1) + half * 32) : _mm512_setzero_si512();
             _mm512_storeu_si512(chunk + (2 * half) * 512, _mm512_permutex2var_epi16(a, low_index, b));
             _mm512_storeu_si512(chunk + (2 * half + 1) * 512, _mm512_permutex2var_epi16(a, high_index, b));
         }
     }
 }
 
+/* Elements of one (prompt, kv head)'s packed keys and values. */
+static int64_t packed_size(int64_t keys) { return (round_up(keys, 16) + round_up(keys, 32)) * D; }
+
 /*
  * q: [T, H, D] bf16, rows q_stride elements apart (heads D apart); k, v: [T, Hkv, D], rows
- * k_stride / v_stride apart; out: [T, H, D], rows out_stride apart. Prompt p is rows
- * [starts[p], starts[p] + lens[p]), causal within itself. Query head h reads kv head
- * h / (H / Hkv). scale: the scores' factor (1 / sqrt(D)).
+ * k_stride / v_stride apart; out: [T, H, D], rows out_stride apart. Chunk p is query rows
+ * [starts[p], starts[p] + lens[p]) at positions prefixes[p] onwards of its sequence: query i sees
+ * keys 0 .. prefixes[p] + i. With no prefix its keys and values are its own rows of k and v; with
+ * one they are all read from k_cache / v_cache ([slots, Hkv, D], rows cache_stride apart) at
+ * slots[slot_starts[p] + j] for position j (the chunk's own already written there). Query head h
+ * reads kv head h / (H / Hkv). scale: the scores' factor (1 / sqrt(D)).
+ * Returns 0, or -1 when the workspace could not be allocated (nothing written).
  */
-int duoserve_amx_causal_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                                   const uint16_t *v, int64_t v_stride, uint16_t *out, int64_t out_stride,
-                                   const int64_t *starts, const int64_t *lens, int64_t num_prompts,
+int duoserve_amx_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
+                                   const uint16_t *v, int64_t v_stride, const uint16_t *k_cache,
+                                   const uint16_t *v_cache, int64_t cache_stride, uint16_t *out, int64_t out_stride,
+                                   const int64_t *starts, const int64_t *lens, const int64_t *prefixes,
+                                   const int64_t *slot_starts, const int64_t *slots, int64_t num_prompts,
                                    int64_t num_heads, int64_t num_kv_heads, float scale, int num_threads)
-/* Returns 0, or -1 when the workspace could not be allocated (nothing written). */
 {
     const int64_t group = num_heads / num_kv_heads;
     int64_t packed_elems = 0, longest = 0, items = 0;
     for (int64_t p = 0; p < num_prompts; p++) {
-        packed_elems += num_kv_heads * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
-        longest = lens[p] > longest ? lens[p] : longest;
+        const int64_t keys = prefixes[p] + lens[p];
+        packed_elems += num_kv_heads * packed_size(keys);
+        longest = keys > longest ? keys : longest;
         items += round_up(lens[p], 16) / 16 * num_heads;
     }
     const int64_t width = round_up(longest, 32); /* a score or probability row */
@@ -214,38 +232,45 @@ int duoserve_amx_causal_attention(const uint16_t *q, int64_t q_stride, const uin
 
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Packing: one (prompt, kv head) at a time. */
+        /* Packing: one (chunk, kv head) at a time. */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_prompts * num_kv_heads; item++) {
-            const int64_t p = item / num_kv_heads, g = item % num_kv_heads;
+            const int64_t p = item / num_kv_heads, g = item % num_kv_heads, count = prefixes[p] + lens[p];
             int64_t offset = 0;
-            for (int64_t e = 0; e < p; e++) offset += num_kv_heads * (round_up(lens[e], 16) + round_up(lens[e], 32)) * D;
-            uint16_t *keys = packed + offset + g * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
-            pack_keys(k + starts[p] * k_stride + g * D, k_stride, lens[p], (uint32_t *)keys);
-            pack_values(v + starts[p] * v_stride + g * D, v_stride, lens[p], keys + round_up(lens[p], 16) * D);
+            for (int64_t e = 0; e < p; e++) offset += num_kv_heads * packed_size(prefixes[e] + lens[e]);
+            uint16_t *keys = packed + offset + g * packed_size(count);
+            uint16_t *values = keys + round_up(count, 16) * D;
+            if (prefixes[p] == 0) {
+                pack_keys(k + starts[p] * k_stride + g * D, k_stride, NULL, count, (uint32_t *)keys);
+                pack_values(v + starts[p] * v_stride + g * D, v_stride, NULL, count, values);
+            } else {
+                const int64_t *at = slots + slot_starts[p];
+                pack_keys(k_cache + g * D, cache_stride, at, count, (uint32_t *)keys);
+                pack_values(v_cache + g * D, cache_stride, at, count, values);
+            }
         }
 
         uint8_t *mine = base + packed_bytes + (size_t)omp_get_thread_num() * round_up((int64_t)per_thread, ALIGN);
-        float *scores = (float *)mine;                           /* [16][width] */
-        uint16_t *probs = (uint16_t *)(scores + 16 * width);     /* [16][width] */
-        uint16_t *queries = probs + 16 * width;                  /* [16][D] */
-        float *outputs = (float *)(queries + 16 * D);            /* [16][D] */
+        float *scores = (float *)mine;                       /* [16][width] */
+        uint16_t *probs = (uint16_t *)(scores + 16 * width); /* [16][width] */
+        uint16_t *queries = probs + 16 * width;              /* [16][D] */
+        float *outputs = (float *)(queries + 16 * D);        /* [16][D] */
         configure();
 
-        /* Attention: one query head and 16 query rows per item, the longest rows first. */
+        /* Attention: one query head and 16 query rows per item, a chunk's last rows first. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             int64_t p = 0, rest = item, offset = 0;
             while (rest >= round_up(lens[p], 16) / 16 * num_heads) {
                 rest -= round_up(lens[p], 16) / 16 * num_heads;
-                offset += num_kv_heads * (round_up(lens[p], 16) + round_up(lens[p], 32)) * D;
+                offset += num_kv_heads * packed_size(prefixes[p] + lens[p]);
                 p++;
             }
-            const int64_t len = lens[p], blocks = round_up(len, 16) / 16;
+            const int64_t len = lens[p], prefix = prefixes[p], blocks = round_up(len, 16) / 16;
             const int64_t i0 = (blocks - 1 - rest / num_heads) * 16, h = rest % num_heads, g = h / group;
-            const int64_t rows = len - i0 < 16 ? len - i0 : 16, last = i0 + rows - 1;
-            const uint16_t *keys = packed + offset + g * (round_up(len, 16) + round_up(len, 32)) * D;
-            const uint16_t *values = keys + round_up(len, 16) * D;
+            const int64_t rows = len - i0 < 16 ? len - i0 : 16, last = prefix + i0 + rows - 1; /* a key */
+            const uint16_t *keys = packed + offset + g * packed_size(prefix + len);
+            const uint16_t *values = keys + round_up(prefix + len, 16) * D;
 
             for (int64_t r = 0; r < 16; r++) {
                 if (r < rows) memcpy(queries + r * D, q + (starts[p] + i0 + r) * q_stride + h * D, D * 2);
@@ -261,11 +286,13 @@ int duoserve_amx_causal_attention(const uint16_t *q, int64_t q_stride, const uin
                 }
                 _tile_stored(0, scores + jt * 16, width * 4);
             }
-            /* Softmax of row r over keys 0 .. i0 + r; zeros beyond, up to the last 32-key chunk. */
+            /* Softmax of row r over keys 0 .. prefix + i0 + r; zeros beyond, up to the last 32-key chunk. */
             const int64_t chunks = last / 32 + 1;
             float sums[16];
-            for (int64_t r = 0; r < 16; r++)
-                sums[r] = softmax_row(scores + r * width, probs + r * width, r < rows ? i0 + r + 1 : 0, chunks * 32, scale);
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t seen = r < rows ? prefix + i0 + r + 1 : 0;
+                sums[r] = softmax_row(scores + r * width, probs + r * width, seen, chunks * 32, scale);
+            }
             /* Probabilities x values, 32 keys at a time. */
             _tile_zero(3);
             _tile_zero(4);
