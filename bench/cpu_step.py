@@ -10,6 +10,9 @@ scheduler, gRPC and the client sharing the cores). It prints, medians of repeate
   linears (AMX or the small-batch kernel, and the one-call decode stack) and with oneDNN alone
   (`--no-small-batch-linear`'s path);
 - a prefill step of 8 whole 256-token prompts;
+- prefill steps (whole prompts, and a chunk behind a cached prefix) with and without the AMX
+  prefill attention (kernels/cpu_prefill.py) and the MLP's SiLU as oneDNN post-ops
+  (gpu_worker/linear.py's GateUpLinear), each config twice, interleaved;
 - the four linears of every layer at 1, 8, 16, 32, 64 and 128 rows: the AMX kernel (where the CPU
   has it) against oneDNN's packed kernel, each on its own copy of 30 layers' weights.
 """
@@ -25,11 +28,12 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.linear import PACKING_BATCH_HINT, amx_kernel
+from gpu_worker.linear import PACKING_BATCH_HINT, amx_kernel, onednn_post_ops_available
 from gpu_worker.loader import load_model
-from gpu_worker.model import LlamaModel
+from gpu_worker.model import DecoderLayer, LlamaModel
 from gpu_worker.worker import make_attention
 from kernels import cpu_amx
 from scheduler.model_files import find_default_model
@@ -74,6 +78,60 @@ def model_steps(path: Path, own_linears: bool, repeats: int) -> dict[str, float]
     ]
     batch = build_forward_batch(prompts, BLOCK, cpu)
     out["prefill 8x256"] = median_ms(lambda: model(batch, kv), max(3, repeats // 4))
+    return out
+
+
+PREFILL_CONFIGS = {  # (AMX prefill attention, MLP SiLU as oneDNN post-ops)
+    "AMX attention + MLP post-ops": (True, True),
+    "torch SDPA + MLP post-ops": (False, True),
+    "AMX attention + fused SiLU op": (True, False),
+    "torch SDPA + fused SiLU op": (False, False),
+}
+
+
+def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Prefill steps with and without the AMX prefill attention and the MLP's oneDNN post-ops:
+    whole prompts, and a chunk behind a cached prefix. Each config runs twice, interleaved."""
+    config, weights = load_model(path)
+    cpu = torch.device("cpu")
+    model = LlamaModel(config, torch.bfloat16, cpu)
+    model.load_weights(weights)
+    attention = make_attention("cpu", config, torch.bfloat16, cpu, BLOCK)
+    assert isinstance(attention, CpuPagedAttention)
+    model.use_attention(attention)
+    kernel = attention.prefill_kernel
+    kv = allocate_kv_cache(config, 4096 // BLOCK + 8, BLOCK, torch.bfloat16, cpu)
+    for k, v in kv:
+        k.normal_()
+        v.normal_()
+
+    def prompts(count: int, length: int) -> list[ScheduledChunk]:
+        per = length // BLOCK
+        return [
+            ScheduledChunk(list(range(5, 5 + length)), 0, list(range(s * per, (s + 1) * per)), True)
+            for s in range(count)
+        ]
+
+    steps = {
+        "8 prompts x 256": prompts(8, 256),
+        "4 prompts x 512": prompts(4, 512),
+        "2048 tokens behind 2048": [
+            ScheduledChunk(list(range(5, 5 + 2048)), 2048, list(range(4096 // BLOCK)), True)
+        ],
+    }
+    out: dict[str, dict[str, list[float]]] = {}
+    for name, chunks in steps.items():
+        batch = build_forward_batch(chunks, BLOCK, cpu)
+        out[name] = {label: [] for label in PREFILL_CONFIGS}
+        for _ in range(2):
+            for label, (amx, post_ops) in PREFILL_CONFIGS.items():
+                if kernel is None and amx:
+                    continue
+                attention.prefill_kernel = kernel if amx else None
+                for layer in model.layers:
+                    assert isinstance(layer, DecoderLayer)
+                    layer.gate_up.post_ops = post_ops and onednn_post_ops_available()
+                out[name][label].append(median_ms(lambda batch=batch: model(batch, kv), max(3, repeats // 4)))
     return out
 
 
@@ -124,13 +182,20 @@ def main() -> int:
     print("|---|" + "---|" * len(steps))
     for name in next(iter(steps.values())):
         print(f"| {name} | " + " | ".join(f"{steps[k][name]:.1f}" for k in steps) + " |")
+    prefill = prefill_steps(path, args.repeats)
+    print("\n| prefill step (two runs each) | " + " | ".join(PREFILL_CONFIGS) + " |")
+    print("|---|" + "---|" * len(PREFILL_CONFIGS))
+    for name, runs in prefill.items():
+        cells = [" / ".join(f"{ms:.1f}" for ms in runs[label]) or "n/a" for label in PREFILL_CONFIGS]
+        print(f"| {name} | " + " | ".join(cells) + " |")
     layers = linears(path, args.repeats)
     print("\n| four linears x all layers | " + " | ".join(next(iter(layers.values()))) + " |")
     print("|---|" + "---|" * len(next(iter(layers.values()))))
     for rows, totals in layers.items():
         print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in totals.values()) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"model": path.name, "steps": steps, "linears": layers}, indent=1))
+        results = {"model": path.name, "steps": steps, "prefill": prefill, "linears": layers}
+        args.json.write_text(json.dumps(results, indent=1))
         print(f"# wrote {args.json}")
     return 0
 

@@ -141,6 +141,8 @@ class GateUpLinear(Linear):
         amx: AmxLinear | None = None,
     ) -> None:
         super().__init__(weight, None, packed, small_batch, amx)
+        # Switched off per instance to compare with the fused op (bench/cpu_step.py).
+        self.post_ops = packed and onednn_post_ops_available()
         half = weight.shape[0] // 2
         self._gate: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
@@ -160,7 +162,7 @@ class GateUpLinear(Linear):
         self, x: torch.Tensor, fallback: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:  # [T, in] → [T, F]
         """SiLU(gate) * up; `fallback` maps the [T, 2F] projection to it where oneDNN does not run."""
-        if not self.packed or self.takes_own_kernel(x) or not onednn_post_ops_available():
+        if not self.post_ops or self.takes_own_kernel(x):
             return fallback(self(x))
         gate = torch.ops.mkldnn._linear_pointwise(x, self._gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self._up, None, "mul")
