@@ -13,25 +13,8 @@
  */
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
-#error "the AMX linear kernel needs AMX-TILE, AMX-BF16 and AVX-512 BF16"
-#endif
-#include <immintrin.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Ask the kernel for the AMX tile state (once per process; 0 when granted). */
-int duoserve_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
+#include "amx.h"
 
 static void configure(int64_t tail)
 {

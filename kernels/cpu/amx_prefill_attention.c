@@ -18,13 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
-#error "the AMX prefill attention needs AMX-TILE, AMX-BF16 and AVX-512 BF16"
-#endif
-#include <immintrin.h>
+#include "amx.h"
 
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=32|64"
@@ -36,18 +31,6 @@
 #define DSTEPS (D / 32) /* 32-element steps of a query-key product */
 #define OTILES (D / 16) /* 16-column blocks of the output */
 #define ALIGN 64
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Ask the kernel for the AMX tile state (once per process; 0 when granted). */
-int duoserve_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
 
 static void configure(void)
 {
