@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
-from kernels.cpu_prefill import AmxPrefillAttention, Chunk
+from kernels.cpu_prefill import AmxPrefillAttention, Chunk, PrefillPlan, plan_chunks
 from kernels.cpu_stack import CpuDecodeStack
 
 
@@ -259,15 +259,13 @@ class CpuPagedAttention(TorchPagedAttention):
         if self.prefill_kernel is None or q.dtype != torch.bfloat16:
             super()._prefills(q, k, v, k_cache, v_cache, chunks, out)
             return
+        # Checked and laid out once per step, not once per layer.
+        planned: tuple[Sequence[PrefillAttention], PrefillPlan] | None = getattr(self._local, "plan", None)
+        if planned is None or planned[0] is not chunks:
+            plan = plan_chunks([Chunk(c.token_start, c.num_tokens, c.key_slots) for c in chunks])
+            self._local.plan = planned = (chunks, plan)
         # The step's K/V are in the cache by now, so a chunk behind a prefix reads all its keys there.
-        self.prefill_kernel(
-            q,
-            k,
-            v,
-            [Chunk(chunk.token_start, chunk.num_tokens, chunk.key_slots) for chunk in chunks],
-            out,
-            (k_cache, v_cache),
-        )
+        self.prefill_kernel(q, k, v, planned[1], out, (k_cache, v_cache))
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention

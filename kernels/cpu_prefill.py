@@ -68,8 +68,52 @@ class Chunk:
     key_slots: torch.Tensor | None = None  # [prefix + length] int64
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """A step's chunks, checked and laid out for the kernel once: every layer reuses it."""
+
+    num_chunks: int
+    rows: int  # the chunks cover rows below this
+    table: torch.Tensor  # [4, chunks] int64: first row, length, prefix, first slot in `slots`
+    slots: torch.Tensor  # the prefixed chunks' key slots, back to back ([1] zero when none)
+    max_slot: int  # -1 when no chunk reads the cache
+
+
+def plan_chunks(chunks: Sequence[Chunk]) -> PrefillPlan:
+    """Check `chunks` and lay them out for the kernel (ValueError naming what is wrong)."""
+    prefixes, slot_starts, at, rows, max_slot = [], [], 0, 0, -1
+    for chunk in chunks:
+        if chunk.length < 1 or chunk.start < 0:
+            raise ValueError(f"chunks: ({chunk.start}, {chunk.length}) is not a non-empty run of rows")
+        rows = max(rows, chunk.start + chunk.length)
+        slot_starts.append(at)
+        key_slots = chunk.key_slots
+        if key_slots is None:
+            prefixes.append(0)
+            continue
+        require(
+            key_slots.dim() == 1
+            and key_slots.dtype == torch.int64
+            and key_slots.device.type == "cpu"
+            and key_slots.shape[0] > chunk.length
+            and int(key_slots.min()) >= 0,
+            "key_slots",
+            key_slots,
+            f"[prefix + {chunk.length}] int64 slots >= 0 on the CPU, prefix >= 1",
+        )
+        prefixes.append(key_slots.shape[0] - chunk.length)
+        max_slot = max(max_slot, int(key_slots.max()))
+        at += key_slots.shape[0]
+    prefixed = [chunk.key_slots for chunk in chunks if chunk.key_slots is not None]
+    table = torch.tensor(
+        [[c.start for c in chunks], [c.length for c in chunks], prefixes, slot_starts], dtype=torch.int64
+    )
+    slots = torch.cat(prefixed) if prefixed else torch.zeros(1, dtype=torch.int64)
+    return PrefillPlan(len(chunks), rows, table, slots, max_slot)
+
+
 class AmxPrefillAttention:
-    """The loaded kernel for one head_dim; call it per layer."""
+    """The loaded kernel for one head_dim; call it per layer with the step's `plan_chunks`."""
 
     def __init__(self, function: Callable[..., int], head_dim: int) -> None:
         self._function = function
@@ -80,7 +124,7 @@ class AmxPrefillAttention:
         q: torch.Tensor,  # [T, H, Dh]
         k: torch.Tensor,  # [T, Hkv, Dh]
         v: torch.Tensor,  # [T, Hkv, Dh]
-        chunks: Sequence[Chunk],
+        plan: PrefillPlan,
         out: torch.Tensor,  # [T, H, Dh], contiguous heads; only the chunks' rows are written
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,  # [blocks, block_size, Hkv, Dh] each
     ) -> torch.Tensor:
@@ -97,17 +141,12 @@ class AmxPrefillAttention:
             require(tensor.shape[0] == tokens, name, tensor, f"{tokens} rows, like q")
         _rows_of_heads(out, "out", heads, head_dim)
         require(out.shape[0] == tokens, "out", out, f"{tokens} rows, like q")
-        for chunk in chunks:
-            if chunk.length < 1 or chunk.start < 0 or chunk.start + chunk.length > tokens:
-                raise ValueError(
-                    f"chunks: ({chunk.start}, {chunk.length}) is not a non-empty run of rows in 0..{tokens}"
-                )
-        if not chunks:
+        if plan.rows > tokens:
+            raise ValueError(f"plan: its chunks reach row {plan.rows}, but q has {tokens} rows")
+        if not plan.num_chunks:
             return out
-        prefixed = [chunk for chunk in chunks if chunk.key_slots is not None]
         k_cache = v_cache = out  # any valid pointer when no chunk reads the cache
-        slots = torch.zeros(1, dtype=torch.int64)
-        if prefixed:
+        if plan.max_slot >= 0:
             if kv_cache is None:
                 raise ValueError("kv_cache: chunks behind a cached prefix read it, but none was given")
             k_cache, v_cache = kv_cache
@@ -124,30 +163,9 @@ class AmxPrefillAttention:
                 )
             require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
             num_slots = k_cache.shape[0] * k_cache.shape[1]
-            for chunk in prefixed:
-                key_slots = chunk.key_slots
-                assert key_slots is not None
-                require(
-                    key_slots.dim() == 1
-                    and key_slots.dtype == torch.int64
-                    and key_slots.shape[0] > chunk.length
-                    and int(key_slots.min()) >= 0
-                    and int(key_slots.max()) < num_slots,
-                    "key_slots",
-                    key_slots,
-                    f"[prefix + {chunk.length}] int64 slots in 0..{num_slots - 1}, prefix >= 1",
-                )
-            slots = torch.cat([chunk.key_slots for chunk in prefixed if chunk.key_slots is not None])
-        prefixes = [
-            0 if chunk.key_slots is None else chunk.key_slots.shape[0] - chunk.length for chunk in chunks
-        ]
-        slot_starts, at = [], 0
-        for chunk in chunks:
-            slot_starts.append(at)
-            at += 0 if chunk.key_slots is None else chunk.key_slots.shape[0]
-        table = torch.tensor(
-            [[c.start for c in chunks], [c.length for c in chunks], prefixes, slot_starts], dtype=torch.int64
-        )
+            if plan.max_slot >= num_slots:
+                raise ValueError(f"key_slots: slots must be < {num_slots}, got {plan.max_slot}")
+        table = plan.table
         status = self._function(
             q.data_ptr(),
             q.stride(0),
@@ -164,8 +182,8 @@ class AmxPrefillAttention:
             table[1].data_ptr(),
             table[2].data_ptr(),
             table[3].data_ptr(),
-            slots.data_ptr(),
-            len(chunks),
+            plan.slots.data_ptr(),
+            plan.num_chunks,
             heads,
             kv_heads,
             1.0 / math.sqrt(head_dim),
@@ -193,4 +211,12 @@ def load_amx_prefill_attention(head_dim: int) -> AmxPrefillAttention:
         return AmxPrefillAttention(_functions[head_dim], head_dim)
 
 
-__all__ = ["HEAD_DIMS", "AmxPrefillAttention", "Chunk", "KernelBuildError", "load_amx_prefill_attention"]
+__all__ = [
+    "HEAD_DIMS",
+    "AmxPrefillAttention",
+    "Chunk",
+    "KernelBuildError",
+    "PrefillPlan",
+    "load_amx_prefill_attention",
+    "plan_chunks",
+]

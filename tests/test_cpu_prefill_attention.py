@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.cpu_build import KernelBuildError
-from kernels.cpu_prefill import AmxPrefillAttention, Chunk, load_amx_prefill_attention
+from kernels.cpu_prefill import AmxPrefillAttention, Chunk, load_amx_prefill_attention, plan_chunks
 from tests.test_cpu_linear_kernel import cpu_has
 
 # Only a CPU without AMX-BF16 cannot run the kernel; anywhere else a build failure fails here.
@@ -47,7 +47,8 @@ def test_each_prompt_attends_causally_to_itself(
     tokens = starts[-1] + lengths[-1] + gap
     q, k, v = projections(tokens, heads, kv_heads, head_dim, seed=sum(lengths) + heads)
     out = torch.full((tokens, heads, head_dim), 7.0).bfloat16()
-    assert kernel(q, k, v, [Chunk(s, n) for s, n in zip(starts, lengths, strict=True)], out) is out
+    plan = plan_chunks([Chunk(s, n) for s, n in zip(starts, lengths, strict=True)])
+    assert kernel(q, k, v, plan, out) is out
     owned = torch.zeros(tokens, dtype=torch.bool)
     for start, length in zip(starts, lengths, strict=True):
         rows = slice(start, start + length)
@@ -82,7 +83,7 @@ def test_a_chunk_behind_a_prefix_reads_its_keys_from_the_cache(
         q,
         k,
         v,
-        [Chunk(0, 20), Chunk(20, length, slots)],
+        plan_chunks([Chunk(0, 20), Chunk(20, length, slots)]),
         torch.empty_like(q).contiguous(),
         (k_cache, v_cache),
     )
@@ -97,8 +98,12 @@ def test_a_chunk_behind_a_prefix_reads_its_keys_from_the_cache(
 def test_a_prompt_gives_the_same_bits_alone_and_among_others() -> None:
     kernel = load_amx_prefill_attention(64)
     q, k, v = projections(90, 9, 3, 64, seed=1)
-    together = kernel(q, k, v, [Chunk(0, 40), Chunk(40, 50)], torch.empty(90, 9, 64, dtype=torch.bfloat16))
-    alone = kernel(q[40:], k[40:], v[40:], [Chunk(0, 50)], torch.empty(50, 9, 64, dtype=torch.bfloat16))
+    together = kernel(
+        q, k, v, plan_chunks([Chunk(0, 40), Chunk(40, 50)]), torch.empty(90, 9, 64, dtype=torch.bfloat16)
+    )
+    alone = kernel(
+        q[40:], k[40:], v[40:], plan_chunks([Chunk(0, 50)]), torch.empty(50, 9, 64, dtype=torch.bfloat16)
+    )
     assert torch.equal(together[40:], alone)
 
 
@@ -106,7 +111,7 @@ def test_no_prompts_write_nothing() -> None:
     kernel = load_amx_prefill_attention(64)
     q, k, v = projections(4, 9, 3, 64, seed=2)
     out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
-    assert torch.equal(kernel(q, k, v, [], out), torch.zeros(4, 9, 64, dtype=torch.bfloat16))
+    assert torch.equal(kernel(q, k, v, plan_chunks([]), out), torch.zeros(4, 9, 64, dtype=torch.bfloat16))
 
 
 def test_other_head_dims_are_refused_at_load() -> None:
@@ -118,7 +123,7 @@ def test_the_launcher_names_what_it_cannot_take() -> None:
     kernel: AmxPrefillAttention = load_amx_prefill_attention(64)
     q, k, v = projections(8, 9, 3, 64, seed=3)
     out = torch.empty(8, 9, 64, dtype=torch.bfloat16)
-    prompts = [Chunk(0, 8)]
+    prompts = plan_chunks([Chunk(0, 8)])
     with pytest.raises(ValueError, match=r"^q: "):
         kernel(q.float(), k, v, prompts, out)
     with pytest.raises(ValueError, match=r"^q: "):
@@ -131,18 +136,22 @@ def test_the_launcher_names_what_it_cannot_take() -> None:
         kernel(q, k, v.transpose(0, 1).contiguous().transpose(0, 1), prompts, out)
     with pytest.raises(ValueError, match=r"^out: "):
         kernel(q, k, v, prompts, out[:7])
+    with pytest.raises(ValueError, match=r"^plan: "):
+        kernel(q, k, v, plan_chunks([Chunk(4, 5)]), out)
     with pytest.raises(ValueError, match=r"^chunks: "):
-        kernel(q, k, v, [Chunk(4, 5)], out)
+        plan_chunks([Chunk(0, 0)])
     with pytest.raises(ValueError, match=r"^chunks: "):
-        kernel(q, k, v, [Chunk(0, 0)], out)
+        plan_chunks([Chunk(-1, 3)])
     cache = torch.zeros(4, 16, 3, 64, dtype=torch.bfloat16)
-    behind = [Chunk(0, 8, torch.arange(10))]
+    behind = plan_chunks([Chunk(0, 8, torch.arange(10))])
     with pytest.raises(ValueError, match=r"^kv_cache: "):
         kernel(q, k, v, behind, out)
     with pytest.raises(ValueError, match=r"^k_cache: "):
         kernel(q, k, v, behind, out, (cache.float(), cache))
     with pytest.raises(ValueError, match=r"^v_cache: "):
         kernel(q, k, v, behind, out, (cache, cache[:2]))
-    for slots in (torch.arange(8), torch.arange(10).int(), torch.arange(60, 70), torch.arange(-1, 9)):
-        with pytest.raises(ValueError, match=r"^key_slots: "):  # no prefix, int32, past the cache, negative
-            kernel(q, k, v, [Chunk(0, 8, slots)], out, (cache, cache))
+    for slots in (torch.arange(8), torch.arange(10).int(), torch.arange(-1, 9)):
+        with pytest.raises(ValueError, match=r"^key_slots: "):  # no prefix, int32, negative
+            plan_chunks([Chunk(0, 8, slots)])
+    with pytest.raises(ValueError, match=r"^key_slots: "):  # past the cache's 64 slots
+        kernel(q, k, v, plan_chunks([Chunk(0, 8, torch.arange(60, 70))]), out, (cache, cache))

@@ -107,8 +107,12 @@ def test_the_cpu_backend_sends_every_prefill_chunk_to_the_amx_kernel_in_one_call
     ours = with_kernel(q, k, v, cache, batch).view(tokens, NUM_HEADS, HEAD_DIM)
     theirs = without(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
     assert len(calls) == 1
-    assert [(c.start, c.length) for c in calls[0]] == [(p.token_start, p.num_tokens) for p in batch.prefills]
-    assert sum(c.key_slots is not None for c in calls[0]) == 1  # the chunk behind a prefix of 9
+    plan = calls[0]
+    assert plan.table[:2].T.tolist() == [[p.token_start, p.num_tokens] for p in batch.prefills]
+    assert (plan.table[2] > 0).sum() == 1  # the chunk behind a prefix of 9
+    # A second layer of the same step reuses the plan.
+    with_kernel(q, k, v, (k_cache.clone(), v_cache.clone()), batch)
+    assert len(calls) == 2 and calls[1] is plan
     for chunk in batch.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         if chunk.key_slots is None:
