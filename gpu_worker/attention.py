@@ -220,10 +220,9 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py).
-    Prefill chunks take the AMX kernel where it runs (kernels/cpu_prefill.py), all in one call, else
-    the torch path. With `fused_ops` (kernels/cpu_fused.py)
-    the KV write is one C call too (see TorchPagedAttention._write_kv), and the model runs its fused
-    forward."""
+    A step's prefill chunks take the AMX kernel where it runs (kernels/cpu_prefill.py), all in one
+    call, else the torch path. With `fused_ops` (kernels/cpu_fused.py) the KV write is one C call
+    too (see TorchPagedAttention._write_kv), and the model runs its fused forward."""
 
     name = "cpu"
     fused_ops: CpuFusedOps | None
