@@ -120,7 +120,7 @@ class Linear:
         return self._small(x, self.weight, self._plain_bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._onednn_weight, self.bias, "none", [], "")
+        return _onednn_linear(x, self._onednn_weight, self.bias)
 
 
 class GateUpLinear(Linear):
@@ -169,8 +169,10 @@ class GateUpLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self._up, None, "mul")
 
 
-def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+def _onednn_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 _post_ops: list[bool] = []  # empty until probed

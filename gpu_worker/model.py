@@ -18,9 +18,8 @@ from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttentio
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import GateUpLinear, Linear, amx_kernel, packed_linear_available, small_batch_kernel
 from gpu_worker.loader import ModelConfig
-from kernels import cpu_amx
 from kernels.cpu_amx import AmxLinear
-from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear
+from kernels.cpu_linear import SmallBatchLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -348,11 +347,10 @@ class LlamaModel(nn.Module):
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor | None:
         """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend
-        in bfloat16 with duoserve's own linears: of up to cpu_amx.MAX_ROWS sequences with the AMX
-        kernel, else up to MAX_ROWS with the small-batch one. None (nothing done) otherwise. The
-        stack is bound to these KV caches on first use."""
+        in bfloat16 with duoserve's own linears, of at most the bound stack's `max_rows` sequences
+        (cpu_amx.MAX_ROWS with the AMX kernel, else the small-batch one's MAX_ROWS). None (nothing
+        done) otherwise. The stack is bound to these KV caches on first use."""
         attention = self.attention
-        amx = layers[0].qkv.amx_weight is not None
         if (
             not isinstance(attention, CpuPagedAttention)
             or attention.decode_stack is None
@@ -360,7 +358,6 @@ class LlamaModel(nn.Module):
             or not self.small_batch_linears
             or batch.decode is None
             or batch.prefills
-            or batch.num_tokens > (cpu_amx.MAX_ROWS if amx else MAX_ROWS)
         ):
             return None
         key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
@@ -385,6 +382,8 @@ class LlamaModel(nn.Module):
                 self.config.rms_norm_eps,
             )
             self._bound_stack = (key, bound)
+        if batch.num_tokens > self._bound_stack[1].max_rows:
+            return None
         attention.check_once(batch.decode, kv_caches[0][0])
         cos, sin = attention.fused_ops.cos_sin(batch.positions, self.inv_freq)
         return self._bound_stack[1].run(
