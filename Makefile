@@ -31,12 +31,12 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py clients/python/duoserve_client
+	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
 	$(PY) -m pytest -q -ra -m "not gpu"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py clients/python/duoserve_client
+	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
 
 protos: $(STAMP)
 	$(PY) -m protos.generate

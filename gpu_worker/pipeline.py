@@ -181,6 +181,7 @@ def _step_span(staged: StagedStep) -> Span:
             "duoserve.step_id": staged.step_id,
             "duoserve.lane": staged.lane,
             "duoserve.step.urgent": staged.urgent,
+            "duoserve.step.forecast": staged.forecast,
             "duoserve.batch.sequences": len(batch.chunk_order) if batch is not None else 0,
             "duoserve.batch.tokens": tokens,
             "duoserve.batch.decode_tokens": decodes,
@@ -471,5 +472,7 @@ class StepPipeline:
                     item = self._receive(self.socket.recv())
                     shutting_down = item.staged is None and not item.error
                     staged_queue.put(item)
+                    if item.staged is not None and not item.staged.urgent:
+                        self.runner.forecast(item.staged)  # while the step computes
         finally:
             results_in.close(linger=0)

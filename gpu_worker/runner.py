@@ -26,11 +26,13 @@ import torch
 
 from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.forecast import DecodeForecast, forecast_decode
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingParams, SamplingRow
 from gpu_worker.streams import CudaStreams, DeviceUpload
 from protos import worker_pb2
+from protos.running import Running, unpack_running
 
 
 class StepError(RuntimeError):
@@ -58,6 +60,7 @@ class StagedStep:
     traceparents: dict[int, str] = field(default_factory=dict)  # traced sequences' spans (see worker.proto)
     urgent: bool = False  # runs at the next layer boundary of the step in progress (see worker.proto)
     ready: torch.cuda.Event | None = None  # CUDA SBO: the input copies have landed
+    forecast: bool = False  # taken from the forecast built while the step before computed
 
 
 @dataclass(slots=True)
@@ -113,6 +116,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed=seed)
         self.seqs: dict[int, SeqState] = {}
+        self._forecasts: dict[int, DecodeForecast] = {}  # by lane; the staging thread's alone
         self.streams = streams
         self.graphs = list(graphs)
         assert not self.graphs or len(self.graphs) == (len(streams.compute) if streams else 1), (
@@ -124,8 +128,57 @@ class ModelRunner:
         """True while the scheduler has running sequences here (idle time then counts as waiting)."""
         return bool(self.seqs)
 
+    def forget_all(self) -> None:
+        """Drop every sequence's state and every forecast (after warm-up)."""
+        self.seqs.clear()
+        self._forecasts.clear()
+
     def stage(self, step: worker_pb2.Step) -> StagedStep:
         started = time.perf_counter()
+        try:
+            running = unpack_running(step.running)
+        except ValueError as err:
+            raise StepError(f"step {step.step_id}: {err}") from None
+        forecast = self._forecasts.pop(step.lane, None)
+        taken = forecast.take(step, running, self.seqs) if forecast is not None else None
+        batch: ForwardBatch | None
+        ready = None
+        if taken is not None:
+            assert forecast is not None
+            batch, sampled = taken
+            spent = forecast.seconds
+        else:
+            batch, sampled, ready = self._stage_in_full(step, running)
+            spent = 0.0
+        return StagedStep(
+            step_id=step.step_id,
+            lane=step.lane,
+            batch=batch,
+            sampled=sampled,
+            staging_seconds=spent + time.perf_counter() - started,
+            traceparents=dict(step.traceparents),
+            urgent=step.urgent,
+            ready=ready,
+            forecast=taken is not None,
+        )
+
+    def forecast(self, staged: StagedStep) -> None:
+        """Build the decode step likely to follow `staged` (see gpu_worker/forecast.py), for `stage`
+        to take when it comes. CPU only, and only worth it while the step computes: SBO's staging
+        thread calls it right after staging a step."""
+        if self.device.type != "cpu":
+            return
+        forecast = forecast_decode(staged.lane, staged.batch, staged.sampled, self.block_size)
+        if forecast is None:
+            self._forecasts.pop(staged.lane, None)
+        else:
+            self._forecasts[staged.lane] = forecast
+
+    def _stage_in_full(
+        self, step: worker_pb2.Step, running: Running
+    ) -> tuple[ForwardBatch | None, list[SeqState], torch.cuda.Event | None]:
+        """The step's batch, its sampled sequences, and (CUDA SBO) the event after which its
+        inputs are on the device."""
         for seq_id in np.frombuffer(step.released_seq_ids, dtype="<u8").tolist():
             self.seqs.pop(seq_id, None)
         scheduled: list[tuple[SeqState, int]] = []
@@ -140,18 +193,23 @@ class ModelRunner:
             )
             self.seqs[new.seq_id] = state
             scheduled.append((state, new.num_new_tokens))
-        for running in step.running:
-            known = self.seqs.get(running.seq_id)
+        for seq_id, computed, num_new, blocks in zip(
+            running.seq_ids.tolist(),
+            running.num_computed_tokens.tolist(),
+            running.num_new_tokens.tolist(),
+            running.blocks_of(),
+            strict=True,
+        ):
+            known = self.seqs.get(seq_id)
             if known is None:
-                raise StepError(f"step {step.step_id}: sequence {running.seq_id} is not on this worker")
-            state = known
-            if state.num_computed != running.num_computed_tokens:
+                raise StepError(f"step {step.step_id}: sequence {seq_id} is not on this worker")
+            if known.num_computed != computed:
                 raise StepError(
-                    f"step {step.step_id}: sequence {running.seq_id} has {state.num_computed} computed tokens "
-                    f"here, the scheduler says {running.num_computed_tokens}"
+                    f"step {step.step_id}: sequence {seq_id} has {known.num_computed} computed tokens "
+                    f"here, the scheduler says {computed}"
                 )
-            state.block_table.extend(_ints(running.new_block_ids))
-            scheduled.append((state, running.num_new_tokens))
+            known.block_table.extend(blocks)
+            scheduled.append((known, num_new))
 
         chunks = []
         sampled = []
@@ -174,20 +232,12 @@ class ModelRunner:
             if needs_logits:
                 sampled.append(state)
             state.num_computed = end
-        upload = None
-        if self.streams is not None and chunks:
-            upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
-        batch = build_forward_batch(chunks, self.block_size, self.device, upload) if chunks else None
-        return StagedStep(
-            step_id=step.step_id,
-            lane=step.lane,
-            batch=batch,
-            sampled=sampled,
-            staging_seconds=time.perf_counter() - started,
-            traceparents=dict(step.traceparents),
-            urgent=step.urgent,
-            ready=upload.ready() if upload is not None else None,
-        )
+        if not chunks:
+            return None, sampled, None
+        if self.streams is None:
+            return build_forward_batch(chunks, self.block_size, self.device), sampled, None
+        upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
+        return build_forward_batch(chunks, self.block_size, self.device, upload), sampled, upload.ready()
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:

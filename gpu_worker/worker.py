@@ -35,6 +35,7 @@ from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from kernels.cpu_prefill import load_amx_prefill_attention
 from kernels.cpu_stack import load_cpu_decode_stack
 from protos import worker_pb2
+from protos.running import RunningEntry, pack_running
 from scheduler import curve, tracing
 
 log = logging.getLogger(__name__)
@@ -207,11 +208,12 @@ def make_attention(
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:
-    """One prefill and one decode through the whole step path, so the first request pays no start-up cost.
+    """One prefill and two decodes through the whole step path, the second one forecast on the CPU
+    (gpu_worker/forecast.py), so the first request pays no start-up cost.
 
-    Both fit in block 0, so even a one-block pool warms up; requests overwrite it later.
+    Everything goes to block 0, so even a one-block pool warms up; requests overwrite it later.
     """
-    prompt = np.arange(1, block_size, dtype="<i4")  # block_size - 1 tokens, then one decode
+    prompt = np.arange(1, block_size, dtype="<i4")  # block_size - 1 tokens, then two decodes
     prefill = worker_pb2.NewSequence(
         seq_id=0,
         token_ids=prompt.tobytes(),
@@ -219,10 +221,13 @@ def warm_up(runner: ModelRunner, block_size: int) -> None:
         block_ids=np.zeros(1, dtype="<i4").tobytes(),
         num_new_tokens=len(prompt),
     )
-    decode = worker_pb2.RunningSequence(seq_id=0, num_computed_tokens=len(prompt), num_new_tokens=1)
     runner.run(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
-    runner.run(runner.stage(worker_pb2.Step(step_id=1, running=[decode])))
-    runner.seqs.clear()
+    for step_id, new_blocks in ((1, ()), (2, (0,))):  # the second decode starts a block: block 0 again
+        running = pack_running([RunningEntry(0, len(prompt) + step_id - 1, 1, new_blocks)])
+        staged = runner.stage(worker_pb2.Step(step_id=step_id, running=running))
+        runner.forecast(staged)
+        runner.run(staged)
+    runner.forget_all()
 
 
 def capture_decode_graphs(

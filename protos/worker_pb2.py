@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x12\x64uoserve.worker.v1\"\xb0\x01\n\x10SchedulerMessage\x12\x32\n\tconfigure\x18\x01 \x01(\x0b\x32\x1d.duoserve.worker.v1.ConfigureH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.duoserve.worker.v1.StepH\x00\x12\x30\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1c.duoserve.worker.v1.ShutdownH\x00\x42\x06\n\x04kindJ\x04\x08\x0f\x10\x10\"I\n\tConfigure\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nmax_blocks\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\"\xec\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x15\n\rwant_logprobs\x18\x0b \x01(\x08\"\xc2\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\r\x12\x34\n\x08sampling\x18\x07 \x01(\x0b\x32\".duoserve.worker.v1.SamplingParams\"m\n\x0fRunningSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\"\xb4\x02\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04lane\x18\x02 \x01(\r\x12\x36\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x1f.duoserve.worker.v1.NewSequence\x12\x34\n\x07running\x18\x04 \x03(\x0b\x32#.duoserve.worker.v1.RunningSequence\x12\x18\n\x10released_seq_ids\x18\x05 \x01(\x0c\x12@\n\x0ctraceparents\x18\x06 \x03(\x0b\x32*.duoserve.worker.v1.Step.TraceparentsEntry\x12\x0e\n\x06urgent\x18\x07 \x01(\x08\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\n\n\x08Shutdown\"\x87\x02\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.duoserve.worker.v1.HelloH\x00\x12*\n\x05ready\x18\x02 \x01(\x0b\x32\x19.duoserve.worker.v1.ReadyH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.duoserve.worker.v1.StepResultH\x00\x12\x30\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1f.duoserve.worker.v1.WorkerErrorH\x00\x12\x32\n\theartbeat\x18\x05 \x01(\x0b\x32\x1d.duoserve.worker.v1.HeartbeatH\x00\x42\x06\n\x04kind\"+\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\'\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\xbc\x01\n\x05Ready\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\"P\n\x10SequenceLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\x0c\"\xcf\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04lane\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12>\n\x08logprobs\x18\x05 \x03(\x0b\x32,.duoserve.worker.v1.StepResult.LogprobsEntry\x12\x17\n\x0fstaging_seconds\x18\x06 \x01(\x01\x12\x1f\n\x17\x65xposed_staging_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x1aU\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.duoserve.worker.v1.SequenceLogprobs:\x02\x38\x01\"/\n\x0bWorkerError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x12\x64uoserve.worker.v1\"\xb0\x01\n\x10SchedulerMessage\x12\x32\n\tconfigure\x18\x01 \x01(\x0b\x32\x1d.duoserve.worker.v1.ConfigureH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.duoserve.worker.v1.StepH\x00\x12\x30\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1c.duoserve.worker.v1.ShutdownH\x00\x42\x06\n\x04kindJ\x04\x08\x0f\x10\x10\"I\n\tConfigure\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x12\n\nmax_blocks\x18\x02 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\r\"\xec\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x15\n\rwant_logprobs\x18\x0b \x01(\x08\"\xc2\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x12\n\nprompt_len\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x06 \x01(\r\x12\x34\n\x08sampling\x18\x07 \x01(\x0b\x32\".duoserve.worker.v1.SamplingParams\"\x87\x01\n\x10RunningSequences\x12\x0f\n\x07seq_ids\x18\x01 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x02 \x01(\x0c\x12\x16\n\x0enum_new_tokens\x18\x03 \x01(\x0c\x12\x16\n\x0enum_new_blocks\x18\x04 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x05 \x01(\x0c\"\xbb\x02\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04lane\x18\x02 \x01(\r\x12\x36\n\rnew_sequences\x18\x03 \x03(\x0b\x32\x1f.duoserve.worker.v1.NewSequence\x12\x35\n\x07running\x18\x08 \x01(\x0b\x32$.duoserve.worker.v1.RunningSequences\x12\x18\n\x10released_seq_ids\x18\x05 \x01(\x0c\x12@\n\x0ctraceparents\x18\x06 \x03(\x0b\x32*.duoserve.worker.v1.Step.TraceparentsEntry\x12\x0e\n\x06urgent\x18\x07 \x01(\x08\x1a\x33\n\x11TraceparentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x04\x10\x05\"\n\n\x08Shutdown\"\x87\x02\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.duoserve.worker.v1.HelloH\x00\x12*\n\x05ready\x18\x02 \x01(\x0b\x32\x19.duoserve.worker.v1.ReadyH\x00\x12\x30\n\x06result\x18\x03 \x01(\x0b\x32\x1e.duoserve.worker.v1.StepResultH\x00\x12\x30\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1f.duoserve.worker.v1.WorkerErrorH\x00\x12\x32\n\theartbeat\x18\x05 \x01(\x0b\x32\x1d.duoserve.worker.v1.HeartbeatH\x00\x42\x06\n\x04kind\"+\n\tHeartbeat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\'\n\x05Hello\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\xbc\x01\n\x05Ready\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nnum_blocks\x18\t \x01(\r\"P\n\x10SequenceLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\x03 \x01(\x0c\"\xcf\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04lane\x18\x02 \x01(\r\x12\x0f\n\x07seq_ids\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12>\n\x08logprobs\x18\x05 \x03(\x0b\x32,.duoserve.worker.v1.StepResult.LogprobsEntry\x12\x17\n\x0fstaging_seconds\x18\x06 \x01(\x01\x12\x1f\n\x17\x65xposed_staging_seconds\x18\x07 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\x08 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x1aU\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x33\n\x05value\x18\x02 \x01(\x0b\x32$.duoserve.worker.v1.SequenceLogprobs:\x02\x38\x01\"/\n\x0bWorkerError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,28 +43,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=527
   _globals['_NEWSEQUENCE']._serialized_start=530
   _globals['_NEWSEQUENCE']._serialized_end=724
-  _globals['_RUNNINGSEQUENCE']._serialized_start=726
-  _globals['_RUNNINGSEQUENCE']._serialized_end=835
-  _globals['_STEP']._serialized_start=838
-  _globals['_STEP']._serialized_end=1146
-  _globals['_STEP_TRACEPARENTSENTRY']._serialized_start=1095
-  _globals['_STEP_TRACEPARENTSENTRY']._serialized_end=1146
-  _globals['_SHUTDOWN']._serialized_start=1148
-  _globals['_SHUTDOWN']._serialized_end=1158
-  _globals['_WORKERMESSAGE']._serialized_start=1161
-  _globals['_WORKERMESSAGE']._serialized_end=1424
-  _globals['_HEARTBEAT']._serialized_start=1426
-  _globals['_HEARTBEAT']._serialized_end=1469
-  _globals['_HELLO']._serialized_start=1471
-  _globals['_HELLO']._serialized_end=1510
-  _globals['_READY']._serialized_start=1513
-  _globals['_READY']._serialized_end=1701
-  _globals['_SEQUENCELOGPROBS']._serialized_start=1703
-  _globals['_SEQUENCELOGPROBS']._serialized_end=1783
-  _globals['_STEPRESULT']._serialized_start=1786
-  _globals['_STEPRESULT']._serialized_end=2121
-  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_start=2036
-  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_end=2121
-  _globals['_WORKERERROR']._serialized_start=2123
-  _globals['_WORKERERROR']._serialized_end=2170
+  _globals['_RUNNINGSEQUENCES']._serialized_start=727
+  _globals['_RUNNINGSEQUENCES']._serialized_end=862
+  _globals['_STEP']._serialized_start=865
+  _globals['_STEP']._serialized_end=1180
+  _globals['_STEP_TRACEPARENTSENTRY']._serialized_start=1123
+  _globals['_STEP_TRACEPARENTSENTRY']._serialized_end=1174
+  _globals['_SHUTDOWN']._serialized_start=1182
+  _globals['_SHUTDOWN']._serialized_end=1192
+  _globals['_WORKERMESSAGE']._serialized_start=1195
+  _globals['_WORKERMESSAGE']._serialized_end=1458
+  _globals['_HEARTBEAT']._serialized_start=1460
+  _globals['_HEARTBEAT']._serialized_end=1503
+  _globals['_HELLO']._serialized_start=1505
+  _globals['_HELLO']._serialized_end=1544
+  _globals['_READY']._serialized_start=1547
+  _globals['_READY']._serialized_end=1735
+  _globals['_SEQUENCELOGPROBS']._serialized_start=1737
+  _globals['_SEQUENCELOGPROBS']._serialized_end=1817
+  _globals['_STEPRESULT']._serialized_start=1820
+  _globals['_STEPRESULT']._serialized_end=2155
+  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_start=2070
+  _globals['_STEPRESULT_LOGPROBSENTRY']._serialized_end=2155
+  _globals['_WORKERERROR']._serialized_start=2157
+  _globals['_WORKERERROR']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

@@ -70,17 +70,19 @@ class NewSequence(_message.Message):
     sampling: SamplingParams
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., prompt_len: _Optional[int] = ..., block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
-class RunningSequence(_message.Message):
-    __slots__ = ("seq_id", "new_block_ids", "num_computed_tokens", "num_new_tokens")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+class RunningSequences(_message.Message):
+    __slots__ = ("seq_ids", "num_computed_tokens", "num_new_tokens", "num_new_blocks", "new_block_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: bytes
+    num_computed_tokens: bytes
+    num_new_tokens: bytes
+    num_new_blocks: bytes
     new_block_ids: bytes
-    num_computed_tokens: int
-    num_new_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_new_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("step_id", "lane", "new_sequences", "running", "released_seq_ids", "traceparents", "urgent")
@@ -101,11 +103,11 @@ class Step(_message.Message):
     step_id: int
     lane: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
-    running: _containers.RepeatedCompositeFieldContainer[RunningSequence]
+    running: RunningSequences
     released_seq_ids: bytes
     traceparents: _containers.ScalarMap[int, str]
     urgent: bool
-    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., released_seq_ids: _Optional[bytes] = ..., traceparents: _Optional[_Mapping[int, str]] = ..., urgent: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Union[RunningSequences, _Mapping]] = ..., released_seq_ids: _Optional[bytes] = ..., traceparents: _Optional[_Mapping[int, str]] = ..., urgent: _Optional[bool] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ()

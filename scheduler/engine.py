@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protos import worker_pb2
+from protos.running import RunningEntry, pack_running
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.output_processor import InflightBatch, OutputProcessor
@@ -264,6 +265,7 @@ class Engine:
         step.released_seq_ids = np.asarray(self._pending_releases, dtype="<u8").tobytes()
         self._pending_releases.clear()
         now = time.monotonic()
+        running: list[RunningEntry] = []
         for scheduled in plan.seqs:
             request = scheduled.request
             if request.first_scheduled_time is None:
@@ -288,15 +290,17 @@ class Engine:
                 )
                 request.on_worker = True
             else:
-                step.running.append(
-                    worker_pb2.RunningSequence(
-                        seq_id=request.seq_id,
-                        new_block_ids=np.asarray(scheduled.new_block_ids, dtype="<i4").tobytes(),
-                        num_computed_tokens=request.num_computed_tokens,
-                        num_new_tokens=scheduled.num_new_tokens,
+                running.append(
+                    RunningEntry(
+                        request.seq_id,
+                        request.num_computed_tokens,
+                        scheduled.num_new_tokens,
+                        scheduled.new_block_ids,
                     )
                 )
             request.in_flight = True
+        if running:
+            step.running.CopyFrom(pack_running(running))
         self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs, sent_at=now)
         task = asyncio.ensure_future(self._link.send(worker_pb2.SchedulerMessage(step=step)))
         task.add_done_callback(self._on_send_done)

@@ -19,6 +19,7 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.worker import make_attention
 from protos import worker_pb2
+from protos.running import RunningEntry, pack_running
 
 TINY_LLAMA = {
     "vocab_size": 256,
@@ -85,10 +86,7 @@ def prompt_step(
 
 def decode_step(step_id: int, lane: int, computed: dict[int, int]) -> worker_pb2.Step:
     step = worker_pb2.Step(step_id=step_id, lane=lane)
-    for seq_id, num_computed in computed.items():
-        step.running.append(
-            worker_pb2.RunningSequence(seq_id=seq_id, num_computed_tokens=num_computed, num_new_tokens=1)
-        )
+    step.running.CopyFrom(pack_running([RunningEntry(seq_id, n, 1) for seq_id, n in computed.items()]))
     return step
 
 

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from protos import worker_pb2
+from protos.running import unpack_running
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Admission, Engine
 from scheduler.request import OutputEvent, Request, RequestParams
@@ -87,7 +88,8 @@ class ScriptedWorker:
             for new in step.new_sequences:
                 lengths[new.seq_id] = [len(np.frombuffer(new.token_ids, "<i4")), new.num_computed_tokens]
                 scheduled.append((new.seq_id, new.num_new_tokens))
-            scheduled += [(r.seq_id, r.num_new_tokens) for r in step.running]
+            running = unpack_running(step.running)
+            scheduled += list(zip(running.seq_ids.tolist(), running.num_new_tokens.tolist(), strict=True))
             if step.urgent:
                 self.urgent_steps.append(len(self.steps))
             self.steps.append([seq_id for seq_id, _ in scheduled])

@@ -1,0 +1,276 @@
+"""The decode forecast (gpu_worker/forecast.py): a step taken from it is the step staged in full.
+
+Two runners of the tiny model go through the same steps in lockstep: one stages every step in
+full, the other builds a forecast after staging each step, as SBO's staging thread does. Blocks of
+8 tokens make decodes cross block boundaries, where the scheduler adds a block the forecast could
+not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.batch import ForwardBatch
+from gpu_worker.loader import ModelConfig
+from gpu_worker.runner import ModelRunner, StagedStep, StepError
+from protos import worker_pb2
+from protos.running import RunningEntry, pack_running
+from tests.worker_steps import GREEDY, cpu_runner, save_tiny_llama, tokens_of
+
+pytest.importorskip("transformers")
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@dataclass(slots=True)
+class Seq:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int = 0
+
+
+@dataclass(slots=True)
+class Script:
+    """The scheduler's side: sequences, their block tables (a block added only when needed) and steps."""
+
+    seqs: dict[int, Seq] = field(default_factory=dict)
+    next_block: int = 1  # block 0 stays free: the forecast's stand-in must never reach a kernel
+    step_id: int = 0
+
+    def blocks_for(self, count: int) -> list[int]:
+        blocks = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return blocks
+
+    def prompt_step(self, prompts: dict[int, int], lane: int = 0) -> worker_pb2.Step:
+        self.step_id += 1
+        step = worker_pb2.Step(step_id=self.step_id, lane=lane)
+        for seq_id, length in prompts.items():
+            tokens = [(seq_id * 31 + 7 * i) % 250 + 3 for i in range(length)]
+            seq = self.seqs[seq_id] = Seq(tokens, self.blocks_for(-(-length // BLOCK_SIZE)), length)
+            step.new_sequences.append(
+                worker_pb2.NewSequence(
+                    seq_id=seq_id,
+                    token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
+                    prompt_len=length,
+                    block_ids=np.asarray(seq.blocks, dtype="<i4").tobytes(),
+                    num_new_tokens=length,
+                    sampling=GREEDY,
+                )
+            )
+        return step
+
+    def decode_entries(self, seq_ids: list[int]) -> list[RunningEntry]:
+        """Each sequence's next decode, with a block added where its new token starts one."""
+        entries = []
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            position = len(seq.tokens) - 1
+            new = self.blocks_for(1) if position == len(seq.blocks) * BLOCK_SIZE else []
+            entries.append(RunningEntry(seq_id, position, 1, new))
+        return entries
+
+    def step(self, entries: list[RunningEntry], lane: int = 0, **fields: object) -> worker_pb2.Step:
+        self.step_id += 1
+        step = worker_pb2.Step(step_id=self.step_id, lane=lane, running=pack_running(entries), **fields)
+        for entry in entries:
+            self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
+        return step
+
+    def take_tokens(self, result: worker_pb2.StepResult) -> None:
+        for seq_id, token in tokens_of(result).items():
+            self.seqs[seq_id].tokens.append(token)
+
+
+def assert_same_batch(forecast: ForwardBatch | None, full: ForwardBatch | None) -> None:
+    assert forecast is not None and full is not None
+    for name in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "logits_indices",
+        "query_start_loc",
+        "context_lens",
+    ):
+        assert torch.equal(getattr(forecast, name), getattr(full, name)), name
+    assert torch.equal(forecast.block_tables, full.block_tables), (forecast.block_tables, full.block_tables)
+    assert forecast.chunk_order == full.chunk_order and forecast.prefills == full.prefills == ()
+    assert forecast.decode is not None and full.decode is not None
+    assert forecast.decode.num_seqs == full.decode.num_seqs
+    assert forecast.decode.max_context == full.decode.max_context
+    for name in ("block_tables", "context_lens", "key_blocks", "key_mask"):
+        assert torch.equal(getattr(forecast.decode, name), getattr(full.decode, name)), name
+
+
+class Lockstep:
+    """Runs each step on a forecasting runner and a plain one; checks they agree."""
+
+    def __init__(self, tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
+        self.forecasting = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+        self.plain = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+        self.script = Script()
+        self.last_order: list[int] = []  # the sequences the last step sampled, in order
+        self.last_lane = 0
+
+    def stage(self, step: worker_pb2.Step) -> tuple[StagedStep, StagedStep]:
+        staged = self.forecasting.stage(step)
+        self.forecasting.forecast(staged)
+        return staged, self.plain.stage(step)
+
+    def run(self, step: worker_pb2.Step) -> bool:
+        """Both runners run `step`: same batch, same tokens. True when it came from the forecast."""
+        staged, plain = self.stage(step)
+        if staged.batch is not None and staged.forecast:
+            assert_same_batch(staged.batch, plain.batch)
+        assert [s.seq_id for s in staged.sampled] == [s.seq_id for s in plain.sampled]
+        result = self.forecasting.run(staged)
+        expected = self.plain.run(plain)
+        assert tokens_of(result) == tokens_of(expected)
+        self.script.take_tokens(result)
+        self.last_order = [s.seq_id for s in staged.sampled]
+        self.last_lane = step.lane
+        return staged.forecast
+
+    def decode(self, seq_ids: list[int], lane: int = 0) -> bool:
+        return self.run(self.script.step(self.script.decode_entries(seq_ids), lane=lane))
+
+
+def test_decode_steps_come_from_the_forecast_across_block_boundaries(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = Lockstep(tiny)
+    assert not both.run(both.script.prompt_step({1: 5, 2: 8, 3: 13}))  # prefill: nothing to forecast from
+    assert not both.decode([1, 2, 3])  # the step before was a prefill
+    added = 0
+    for _ in range(20):
+        entries = both.script.decode_entries([1, 2, 3])
+        added += sum(len(e.new_block_ids) for e in entries)
+        assert both.run(both.script.step(entries))
+    assert added >= 6  # every sequence started blocks the forecast had to take from the step
+    # The third sequence grew from 2 to 5 blocks: the tables widened under the forecast too.
+    assert len(both.forecasting.seqs[3].block_table) == 5 == len(both.script.seqs[3].blocks)
+    assert both.forecasting.seqs[3].block_table == both.plain.seqs[3].block_table
+
+
+def released(script: Script) -> worker_pb2.Step:
+    entries = script.decode_entries([1, 3])
+    return script.step(entries, released_seq_ids=np.asarray([2], dtype="<u8").tobytes())
+
+
+def joined(script: Script) -> worker_pb2.Step:
+    entries = script.decode_entries([1, 2, 3])
+    step = script.prompt_step({4: 6})
+    step.running.CopyFrom(pack_running(entries))
+    for entry in entries:
+        script.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
+    return step
+
+
+def reordered(script: Script) -> worker_pb2.Step:
+    # Sequences 2 and 3 are at the same position: only their ids tell the orders apart.
+    return script.step(script.decode_entries([1, 3, 2]))
+
+
+def block_ahead(script: Script) -> worker_pb2.Step:
+    entries = script.decode_entries([1, 2, 3])
+    early = next(e for e in entries if not e.new_block_ids)
+    entries[entries.index(early)] = RunningEntry(
+        early.seq_id, early.num_computed_tokens, 1, script.blocks_for(1)
+    )
+    return script.step(entries)
+
+
+def other_lane(script: Script) -> worker_pb2.Step:
+    return script.step(script.decode_entries([1, 2, 3]), lane=1)
+
+
+def urgent(script: Script) -> worker_pb2.Step:
+    return script.step(script.decode_entries([1, 2, 3]), urgent=True)
+
+
+@pytest.mark.parametrize("next_step", [released, joined, reordered, block_ahead, other_lane, urgent])
+def test_a_step_other_than_the_forecast_one_is_staged_in_full(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
+) -> None:
+    both = Lockstep(tiny)
+    both.run(both.script.prompt_step({1: 5, 2: 8, 3: 8}))
+    for _ in range(3):
+        both.decode([1, 2, 3])
+    assert not both.run(next_step(both.script))
+    order, lane = both.last_order, both.last_lane
+    if next_step is joined:
+        assert not both.decode(order, lane)  # the step before had a prefill: nothing to forecast from
+    if next_step is other_lane:
+        # Lane 0's forecast went stale when its sequences ran on lane 1: refused, not replayed.
+        assert not both.decode(order, lane=0)
+        lane = 0
+    # The forecast built from the last step serves the one after.
+    assert both.decode(order, lane)
+
+
+def test_a_step_the_worker_cannot_follow_fails_as_it_would_without_a_forecast(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = Lockstep(tiny)
+    both.run(both.script.prompt_step({1: 5, 2: 8}))
+    both.decode([1, 2])
+    both.decode([1, 2])
+    entries = both.script.decode_entries([1, 2])
+    wrong = [
+        RunningEntry(e.seq_id, e.num_computed_tokens + (e.seq_id == 2), 1, e.new_block_ids) for e in entries
+    ]
+    step = both.script.step(wrong)
+    errors = []
+    for runner in (both.forecasting, both.plain):
+        with pytest.raises(StepError) as caught:
+            runner.stage(step)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    assert "sequence 2 has" in errors[0] and "the scheduler says" in errors[0]
+
+
+def test_a_forecast_is_taken_once(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
+    runner: ModelRunner = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+    script = Script()
+    script.take_tokens(runner.run(runner.stage(script.prompt_step({1: 5}))))
+    first = script.step(script.decode_entries([1]))
+    staged = runner.stage(first)
+    runner.forecast(staged)
+    script.take_tokens(runner.run(staged))
+    step = script.step(script.decode_entries([1]))
+    assert runner.stage(step).forecast
+    # The same step again (as a scheduler bug would send it): staged in full, and refused there.
+    with pytest.raises(StepError, match="sequence 1 has"):
+        runner.stage(step)
+
+
+@pytest.mark.parametrize(
+    ("field_name", "data", "message"),
+    [
+        ("seq_ids", b"\x01" * 9, "running.seq_ids: 9 bytes"),
+        ("num_new_tokens", b"\x01\x00\x00\x00" * 2, "running.num_new_tokens: 2 entries for 1 sequences"),
+        (
+            "new_block_ids",
+            b"\x05\x00\x00\x00",
+            "running.new_block_ids: 1 entries, num_new_blocks add up to 0",
+        ),
+    ],
+)
+def test_a_malformed_running_list_is_refused_naming_its_field(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], field_name: str, data: bytes, message: str
+) -> None:
+    runner = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+    running = pack_running([RunningEntry(1, 4, 1)])
+    setattr(running, field_name, data)
+    with pytest.raises(StepError, match=message):
+        runner.stage(worker_pb2.Step(step_id=7, running=running))
