@@ -4,25 +4,30 @@ A sequence is in at most one in-flight batch, and with the CPU's one decode lane
 sends decode step k+1 only after step k's result: the message that SBO would stage during step k
 does not exist yet. But what it will say is nearly always known: the same sequences in the same
 order, one token further on. So right after staging a decode-only step k, the staging thread builds
-the batch of that successor (positions, slots, block tables, context lengths, attention metadata).
-When step k+1 arrives and says exactly that, staging is only filling in what could not be known
-in advance: the tokens step k sampled, and the blocks the scheduler added for sequences whose new
-token starts one. Anything else (a sequence finished, joined, preempted or released, a prefill, a
-block allocated ahead of need) and the forecast is dropped and the step staged in full.
+that successor's batch (positions, slots, block tables, context lengths, attention metadata) and
+the running-sequence arrays the scheduler will send for it. When step k+1 arrives with exactly
+those arrays, staging is only filling in what could not be known in advance: the tokens step k
+sampled, and the blocks the scheduler added for sequences whose new token starts one. Anything
+else (a sequence finished, joined, preempted or released, a prefill, a block allocated ahead of
+need) and the forecast is dropped and the step staged in full.
+
+What is left for after arrival is kept to a few byte comparisons and array writes: just after a
+forward pass has streamed the weights and the KV cache through the CPU's caches, every Python and
+torch operation runs several times slower than in a microbenchmark.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from protos import worker_pb2
-from protos.running import Running
+from protos.running import RunningEntry, pack_running
 
 if TYPE_CHECKING:
     from gpu_worker.runner import SeqState
@@ -30,92 +35,129 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class DecodeForecast:
-    """Decode step k+1 of D sequences, built from step k; only `take` hands its batch out."""
+    """Decode step k+1 of D sequences, built from step k; its batch is complete once `fill` ran."""
 
-    lane: int
     states: list[SeqState]  # step k's sampled sequences, in its logits order
-    seq_ids: np.ndarray  # [D] uint64
-    num_computed: np.ndarray  # [D] int64: each sequence's computed tokens when step k+1 comes
-    num_new_blocks: np.ndarray  # [D] int64: 1 where the new token starts a block the scheduler adds
+    seq_ids: frozenset[int]
+    expected: (
+        worker_pb2.RunningSequences
+    )  # Step.running as the scheduler will pack it, less the new block ids
+    new_block_rows: list[tuple[int, int]]  # (row, block-table column) of each block the scheduler adds
     batch: ForwardBatch  # input ids and those blocks still to fill in
     seconds: float  # spent building it
 
-    def take(
-        self, step: worker_pb2.Step, running: Running, seqs: dict[int, SeqState]
-    ) -> tuple[ForwardBatch, list[SeqState]] | None:
-        """Step k+1's batch and sampled sequences, with the sequences' state advanced as a full
-        staging would; None (nothing changed) when `step` is not the forecast one."""
-        if (
-            step.new_sequences
-            or step.released_seq_ids
-            or step.urgent
-            or step.lane != self.lane
-            or not np.array_equal(running.seq_ids, self.seq_ids)
-            or not np.array_equal(running.num_computed_tokens, self.num_computed)
-            or not (running.num_new_tokens == 1).all()
-            or not np.array_equal(running.num_new_blocks, self.num_new_blocks)
-        ):
-            return None
-        for state, computed in zip(self.states, self.num_computed.tolist(), strict=True):
-            # Still the state forecast from, step k's token appended, nothing run since.
-            if seqs.get(state.seq_id) is not state or state.num_computed != computed:
-                return None
-            if len(state.token_ids) != computed + 1:
-                return None
-        batch = self.batch
-        batch.input_ids.copy_(torch.tensor([state.token_ids[-1] for state in self.states]))
-        rows = np.flatnonzero(self.num_new_blocks)
-        if rows.size:
-            self._add_blocks(rows, running.new_block_ids)
-        for state in self.states:
-            state.num_computed += 1
-        return batch, self.states
+    def matches(self, step: worker_pb2.Step) -> bool:
+        running, expected = step.running, self.expected
+        return (
+            not step.new_sequences
+            and not step.released_seq_ids
+            and not step.urgent
+            and running.seq_ids == expected.seq_ids
+            and running.num_computed_tokens == expected.num_computed_tokens
+            and running.num_new_tokens == expected.num_new_tokens
+            and running.num_new_blocks == expected.num_new_blocks
+            and len(running.new_block_ids) == 4 * len(self.new_block_rows)
+        )
 
-    def _add_blocks(self, rows: np.ndarray, blocks: np.ndarray) -> None:
-        """Rows `rows` start block `blocks[i]` (one each) with their new token, at its offset 0."""
-        batch = self.batch
-        assert batch.decode is not None
-        for row, block in zip(rows.tolist(), blocks.tolist(), strict=True):
-            self.states[row].block_table.append(block)
-        column = torch.from_numpy(self.num_computed[rows] // batch.block_size)  # [R]
-        row_index = torch.from_numpy(rows)
-        block_ids = torch.from_numpy(blocks)
-        batch.slot_mapping[row_index] = block_ids * batch.block_size
-        batch.block_tables[row_index, column] = block_ids.to(torch.int32)
-        batch.decode.block_tables[row_index, column] = block_ids.to(torch.int32)
-        per_row = batch.decode.block_tables.shape[1]
-        batch.decode.key_blocks[row_index * per_row + column] = block_ids
+    def fill(self, step: worker_pb2.Step) -> None:
+        """Complete the batch from `step` (which `matches`) and advance the sequences as a full
+        staging would: step k's tokens in, the new blocks appended."""
+        batch, states = self.batch, self.states
+        # CPU tensors: the numpy views write into them.
+        batch.input_ids.numpy()[:] = [state.token_ids[-1] for state in states]
+        if self.new_block_rows:
+            assert batch.decode is not None
+            slots = batch.slot_mapping.numpy()
+            tables = batch.block_tables.numpy()
+            decode_tables = batch.decode.block_tables.numpy()
+            key_blocks = batch.decode.key_blocks.numpy()
+            per_row = decode_tables.shape[1]
+            blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
+            for (row, column), block in zip(self.new_block_rows, blocks, strict=True):
+                states[row].block_table.append(block)
+                slots[row] = block * batch.block_size  # the new token is the block's first
+                tables[row, column] = decode_tables[row, column] = block
+                key_blocks[row * per_row + column] = block
+        for state in states:
+            state.num_computed += 1
 
 
 def forecast_decode(
-    lane: int, batch: ForwardBatch | None, states: list[SeqState], block_size: int
+    batch: ForwardBatch | None, states: list[SeqState], block_size: int
 ) -> DecodeForecast | None:
-    """The successor of the step staged as `batch` (sampling `states`), on the CPU; None unless
-    that step only decodes, each of its sequences sampling."""
+    """The successor of the CPU step staged as `batch` (sampling `states`); None unless that step
+    only decodes, each of its sequences sampling."""
     started = time.perf_counter()
     if batch is None or batch.prefills or batch.decode is None or batch.decode.num_seqs != len(states):
         return None
     if batch.num_logits != len(states):
         return None
     chunks = []
-    new_blocks = np.zeros(len(states), dtype=np.int64)
+    entries = []
+    new_block_rows = []
     for row, state in enumerate(states):
         position = state.num_computed  # the token step k samples goes here
         covered = len(state.block_table) * block_size
         if position > covered:
             return None
         table: list[int] = state.block_table
+        new_blocks: tuple[int, ...] = ()
         if position == covered:
-            new_blocks[row] = 1
+            new_block_rows.append((row, len(table)))
             table = [*table, 0]  # block 0 stands in for the one the scheduler will add
+            new_blocks = (0,)
         chunks.append(ScheduledChunk((0,), position, table, True))
-    forecast_batch = build_forward_batch(chunks, block_size, "cpu")
+        entries.append(RunningEntry(state.seq_id, position, 1, new_blocks))
+    expected = pack_running(entries)
+    expected.ClearField("new_block_ids")
     return DecodeForecast(
-        lane=lane,
         states=list(states),
-        seq_ids=np.fromiter((s.seq_id for s in states), dtype=np.uint64, count=len(states)),
-        num_computed=np.fromiter((s.num_computed for s in states), dtype=np.int64, count=len(states)),
-        num_new_blocks=new_blocks,
-        batch=forecast_batch,
+        seq_ids=frozenset(state.seq_id for state in states),
+        expected=expected,
+        new_block_rows=new_block_rows,
+        batch=build_forward_batch(chunks, block_size, "cpu"),
         seconds=time.perf_counter() - started,
     )
+
+
+class Forecasts:
+    """The staging thread's forecasts, filed under their first sequence's id (not by lane: the
+    scheduler may send a sequence's next step on either lane).
+
+    Invariant: a forecast's sequences are as they were when it was built. Any step that touches
+    one of them other than by taking the forecast drops it (`drop_touching`).
+    """
+
+    def __init__(self) -> None:
+        self._by_first: dict[int, DecodeForecast] = {}
+
+    def add(self, forecast: DecodeForecast) -> None:
+        self._by_first[forecast.states[0].seq_id] = forecast
+
+    def take(self, step: worker_pb2.Step) -> DecodeForecast | None:
+        """The forecast of `step`, filled in and removed; None (nothing changed) when there is none."""
+        if len(step.running.seq_ids) < 8:
+            return None
+        first = int.from_bytes(step.running.seq_ids[:8], "little")
+        forecast = self._by_first.pop(first, None)
+        if forecast is None or not forecast.matches(step):
+            return None
+        forecast.fill(step)
+        self.drop_touching(forecast.seq_ids)
+        return forecast
+
+    def drop_touching(self, seq_ids: Iterable[int]) -> None:
+        touched = frozenset(seq_ids)
+        for first in [
+            f for f, forecast in self._by_first.items() if not forecast.seq_ids.isdisjoint(touched)
+        ]:
+            del self._by_first[first]
+
+    def clear(self) -> None:
+        self._by_first.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_first)
+
+    def filed_under(self) -> set[int]:
+        return set(self._by_first)

@@ -26,13 +26,13 @@ import torch
 
 from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from gpu_worker.cuda_graphs import DecodeGraphs
-from gpu_worker.forecast import DecodeForecast, forecast_decode
+from gpu_worker.forecast import Forecasts, forecast_decode
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingParams, SamplingRow
 from gpu_worker.streams import CudaStreams, DeviceUpload
 from protos import worker_pb2
-from protos.running import Running, unpack_running
+from protos.running import unpack_running
 
 
 class StepError(RuntimeError):
@@ -93,6 +93,14 @@ def _ints(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
+def _seq_ids_of(step: worker_pb2.Step) -> list[int]:
+    """Every sequence `step` names: running, new and released (whatever their arrays hold)."""
+    ids = [new.seq_id for new in step.new_sequences]
+    for data in (step.running.seq_ids, step.released_seq_ids):
+        ids += np.frombuffer(data[: len(data) // 8 * 8], dtype="<u8").tolist()
+    return ids
+
+
 class ModelRunner:
     """Runs steps on one model and KV cache."""
 
@@ -116,7 +124,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed=seed)
         self.seqs: dict[int, SeqState] = {}
-        self._forecasts: dict[int, DecodeForecast] = {}  # by lane; the staging thread's alone
+        self.forecasts = Forecasts()  # the staging thread's alone (gpu_worker/forecast.py)
         self.streams = streams
         self.graphs = list(graphs)
         assert not self.graphs or len(self.graphs) == (len(streams.compute) if streams else 1), (
@@ -131,24 +139,21 @@ class ModelRunner:
     def forget_all(self) -> None:
         """Drop every sequence's state and every forecast (after warm-up)."""
         self.seqs.clear()
-        self._forecasts.clear()
+        self.forecasts.clear()
 
     def stage(self, step: worker_pb2.Step) -> StagedStep:
         started = time.perf_counter()
-        try:
-            running = unpack_running(step.running)
-        except ValueError as err:
-            raise StepError(f"step {step.step_id}: {err}") from None
-        forecast = self._forecasts.pop(step.lane, None)
-        taken = forecast.take(step, running, self.seqs) if forecast is not None else None
+        taken = self.forecasts.take(step)
         batch: ForwardBatch | None
         ready = None
         if taken is not None:
-            assert forecast is not None
-            batch, sampled = taken
-            spent = forecast.seconds
+            batch, sampled = taken.batch, taken.states
+            spent = taken.seconds
         else:
-            batch, sampled, ready = self._stage_in_full(step, running)
+            try:
+                batch, sampled, ready = self._stage_in_full(step)
+            finally:
+                self.forecasts.drop_touching(_seq_ids_of(step))
             spent = 0.0
         return StagedStep(
             step_id=step.step_id,
@@ -168,17 +173,19 @@ class ModelRunner:
         thread calls it right after staging a step."""
         if self.device.type != "cpu":
             return
-        forecast = forecast_decode(staged.lane, staged.batch, staged.sampled, self.block_size)
-        if forecast is None:
-            self._forecasts.pop(staged.lane, None)
-        else:
-            self._forecasts[staged.lane] = forecast
+        forecast = forecast_decode(staged.batch, staged.sampled, self.block_size)
+        if forecast is not None:
+            self.forecasts.add(forecast)
 
     def _stage_in_full(
-        self, step: worker_pb2.Step, running: Running
+        self, step: worker_pb2.Step
     ) -> tuple[ForwardBatch | None, list[SeqState], torch.cuda.Event | None]:
         """The step's batch, its sampled sequences, and (CUDA SBO) the event after which its
         inputs are on the device."""
+        try:
+            running = unpack_running(step.running)
+        except ValueError as err:
+            raise StepError(f"step {step.step_id}: {err}") from None
         for seq_id in np.frombuffer(step.released_seq_ids, dtype="<u8").tolist():
             self.seqs.pop(seq_id, None)
         scheduled: list[tuple[SeqState, int]] = []
