@@ -8,6 +8,7 @@ then Step -> StepResult until Shutdown.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -320,6 +321,10 @@ def _run(config: WorkerConfig) -> int:
         runner = ModelRunner(model, kv_cache, configure.block_size, device, seed=config.seed, streams=streams)
         warm_up(runner, configure.block_size)
         runner.graphs = capture_decode_graphs(config, model, kv_cache, configure, streams)
+        # What exists now (the model, the kernels, the runner) lives as long as the process: out of
+        # the collector's sight, so that a full collection no longer walks it in the middle of a step.
+        gc.collect()
+        gc.freeze()
         log.info(
             "KV cache allocated in %.1f s, warmed up in %.1f s",
             allocated - started,
