@@ -156,6 +156,41 @@ def build_forward_batch(
     )
 
 
+def select_decode_rows(batch: ForwardBatch, rows: np.ndarray, table_width: int) -> ForwardBatch:
+    """Rows `rows` of a decode-only CPU `batch`, in that order, laid out as build_forward_batch lays
+    out those sequences: block tables `table_width` wide (their longest table), attention metadata
+    as wide as their longest context. Indexes numpy views: cheaper than torch ops per tensor."""
+    decode = batch.decode
+    assert decode is not None and not batch.prefills, "select_decode_rows takes a decode-only batch"
+    assert len(rows) > 0 and table_width >= 1, f"{len(rows)} rows, table width {table_width}"
+    count = len(rows)
+    context_lens = batch.context_lens.numpy()[rows]  # [n] int32
+    num_blocks = -(-int(context_lens.max()) // batch.block_size)
+    max_context = num_blocks * batch.block_size
+    tables = np.ascontiguousarray(batch.block_tables.numpy()[rows, :table_width])  # [n, W] int32
+    decode_tables = np.ascontiguousarray(tables[:, :num_blocks])  # [n, num_blocks]
+    return ForwardBatch(
+        input_ids=torch.from_numpy(batch.input_ids.numpy()[rows]),
+        positions=torch.from_numpy(batch.positions.numpy()[rows]),
+        slot_mapping=torch.from_numpy(batch.slot_mapping.numpy()[rows]),
+        logits_indices=torch.arange(count),
+        query_start_loc=torch.arange(count + 1, dtype=torch.int32),
+        context_lens=torch.from_numpy(context_lens),
+        block_tables=torch.from_numpy(tables),
+        chunk_order=tuple(range(count)),
+        block_size=batch.block_size,
+        decode=DecodeAttention(
+            num_seqs=count,
+            max_context=max_context,
+            block_tables=torch.from_numpy(decode_tables),
+            context_lens=torch.from_numpy(context_lens.copy()),
+            key_blocks=torch.from_numpy(decode_tables.reshape(-1).astype(np.int64)),
+            key_mask=torch.from_numpy(np.ascontiguousarray(decode.key_mask.numpy()[rows, ..., :max_context])),
+        ),
+        prefills=(),
+    )
+
+
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 

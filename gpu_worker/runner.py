@@ -61,6 +61,8 @@ class StagedStep:
     urgent: bool = False  # runs at the next layer boundary of the step in progress (see worker.proto)
     ready: torch.cuda.Event | None = None  # CUDA SBO: the input copies have landed
     forecast: bool = False  # taken from the forecast built while the step before computed
+    # [len(sampled)] int64, filled by `finish`: the next step's input ids (gpu_worker/forecast.py).
+    sampled_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class PendingStep:
     sampled: list[SeqState] = field(default_factory=list)
     output: SamplerOutput | None = None  # sampled on the host already
     tokens: torch.Tensor | None = None  # pinned host tensor the sampled tokens are being copied into
+    sampled_tokens: np.ndarray | None = None  # StagedStep.sampled_tokens, filled with the tokens
     started: torch.cuda.Event | None = None  # on the compute stream, before the step's work
     done: torch.cuda.Event | None = None  # after the step's work and the copy back
 
@@ -143,12 +146,11 @@ class ModelRunner:
 
     def stage(self, step: worker_pb2.Step) -> StagedStep:
         started = time.perf_counter()
-        taken = self.forecasts.take(step)
+        taken = self.forecasts.take(step, self.seqs)
         batch: ForwardBatch | None
         ready = None
         if taken is not None:
-            batch, sampled = taken.batch, taken.states
-            spent = taken.seconds
+            batch, sampled, spent = taken
         else:
             try:
                 batch, sampled, ready = self._stage_in_full(step)
@@ -165,6 +167,7 @@ class ModelRunner:
             urgent=step.urgent,
             ready=ready,
             forecast=taken is not None,
+            sampled_tokens=np.empty(len(sampled), dtype=np.int64),
         )
 
     def forecast(self, staged: StagedStep) -> None:
@@ -173,7 +176,7 @@ class ModelRunner:
         thread calls it right after staging a step."""
         if self.device.type != "cpu":
             return
-        forecast = forecast_decode(staged.batch, staged.sampled, self.block_size)
+        forecast = forecast_decode(staged.batch, staged.sampled, staged.sampled_tokens, self.block_size)
         if forecast is not None:
             self.forecasts.add(forecast)
 
@@ -263,6 +266,7 @@ class ModelRunner:
                     stream.wait_event(staged.ready)
             logits = self._forward(staged.batch, slot, yield_point)  # [S, vocab] float32
             pending.sampled = staged.sampled
+            pending.sampled_tokens = staged.sampled_tokens
             rows = [
                 SamplingRow(s.sampling, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :])
                 for s in staged.sampled
@@ -312,7 +316,10 @@ class ModelRunner:
         for state, token_id in zip(pending.sampled, token_ids, strict=True):
             state.token_ids.append(token_id)
         result.seq_ids = np.asarray([s.seq_id for s in pending.sampled], dtype="<u8").tobytes()
-        result.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if pending.sampled_tokens is not None:
+            pending.sampled_tokens[:] = tokens
+        result.token_ids = tokens.astype("<i4").tobytes()
         for state, entry_logprobs in zip(pending.sampled, logprobs, strict=True):
             if entry_logprobs is not None:
                 entry = result.logprobs[state.seq_id]

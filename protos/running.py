@@ -28,11 +28,11 @@ class RunningEntry:
 class Running:
     """Step.running unpacked: R sequences, B new blocks in all."""
 
-    seq_ids: np.ndarray  # [R] uint64
-    num_computed_tokens: np.ndarray  # [R] int64
-    num_new_tokens: np.ndarray  # [R] int64
-    num_new_blocks: np.ndarray  # [R] int64
-    new_block_ids: np.ndarray  # [B] int64, sequence after sequence
+    seq_ids: np.ndarray  # [R] uint64, read-only views of the message's bytes
+    num_computed_tokens: np.ndarray  # [R] uint32
+    num_new_tokens: np.ndarray  # [R] uint32
+    num_new_blocks: np.ndarray  # [R] uint32
+    new_block_ids: np.ndarray  # [B] int32, sequence after sequence
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -82,8 +82,8 @@ def unpack_running(message: worker_pb2.RunningSequences) -> Running:
         )
     return Running(
         seq_ids=fields["seq_ids"],
-        num_computed_tokens=fields["num_computed_tokens"].astype(np.int64),
-        num_new_tokens=fields["num_new_tokens"].astype(np.int64),
-        num_new_blocks=fields["num_new_blocks"].astype(np.int64),
-        new_block_ids=fields["new_block_ids"].astype(np.int64),
+        num_computed_tokens=fields["num_computed_tokens"],
+        num_new_tokens=fields["num_new_tokens"],
+        num_new_blocks=fields["num_new_blocks"],
+        new_block_ids=fields["new_block_ids"],
     )

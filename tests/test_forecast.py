@@ -151,8 +151,8 @@ def test_decode_steps_come_from_the_forecast_across_block_boundaries(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
     both = Lockstep(tiny)
-    assert not both.run(both.script.prompt_step({1: 5, 2: 8, 3: 13}))  # prefill: nothing to forecast from
-    assert not both.decode([1, 2, 3])  # the step before was a prefill
+    assert not both.run(both.script.prompt_step({1: 5, 2: 8, 3: 13}))
+    assert both.decode([1, 2, 3])  # each prompt ended in that step, and sampled: forecast
     added = 0
     for i in range(20):
         entries = both.script.decode_entries([1, 2, 3])
@@ -202,24 +202,54 @@ def urgent(script: Script) -> worker_pb2.Step:
     return script.step(script.decode_entries([1, 2, 3]), urgent=True)
 
 
-@pytest.mark.parametrize("next_step", [released, joined, reordered, block_ahead, split, urgent])
-def test_a_step_other_than_the_forecast_one_is_staged_in_full(
-    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
-) -> None:
+def start_three(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> Lockstep:
     both = Lockstep(tiny)
     both.run(both.script.prompt_step({1: 5, 2: 8, 3: 8}))
     for _ in range(3):
-        both.decode([1, 2, 3])
-    assert not both.run(next_step(both.script))
-    order, lane = both.last_order, both.last_lane
-    if next_step is joined:
-        assert not both.decode(order, lane)  # the step before had a prefill: nothing to forecast from
+        assert both.decode([1, 2, 3])
+    return both
+
+
+@pytest.mark.parametrize("next_step", [released, reordered, split])
+def test_a_step_running_some_of_the_forecast_sequences_takes_their_rows(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
+) -> None:
+    both = start_three(tiny)
+    assert both.run(next_step(both.script))  # the batch checked against the full staging's
     if next_step is split:
-        # The forecast made for 1-3 went stale when 2 and 3 ran without 1: refused, not replayed.
+        # Sequence 1 sat out: the forecast of 2 and 3 cannot serve a step that starts with it.
         assert not both.decode([1, 2, 3])
-        order = [1, 2, 3]
-    # The forecast built from the last step serves the one after.
-    assert both.decode(order, lane)
+    order = sorted(both.forecasting.seqs)
+    assert both.decode(order)
+    assert both.decode(order)
+
+
+@pytest.mark.parametrize("next_step", [joined, block_ahead, urgent])
+def test_a_step_the_forecast_cannot_serve_is_staged_in_full(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
+) -> None:
+    both = start_three(tiny)
+    assert not both.run(next_step(both.script))
+    # Every sequence sampled in that step (4's whole prompt too): its successor is forecast, in
+    # the scheduler's order (admission order), not the step's (new sequences first).
+    assert both.decode(sorted(both.forecasting.seqs))
+
+
+def test_a_prompt_chunk_that_does_not_end_its_prompt_is_followed_by_a_full_staging(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = start_three(tiny)
+    script = both.script
+    step = script.prompt_step({4: 12})
+    step.new_sequences[0].num_new_tokens = 8  # the first chunk: no token sampled for 4
+    step.running.CopyFrom(pack_running(entries := script.decode_entries([1, 2, 3])))
+    for entry in entries:
+        script.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
+    assert not both.run(step)
+    assert both.last_order == [1, 2, 3]
+    rest = [RunningEntry(4, 8, 4), *script.decode_entries([1, 2, 3])]
+    assert not both.run(script.step(rest))  # the prompt's second chunk: not what was forecast
+    assert both.decode([1, 2, 3, 4])
 
 
 def test_a_step_the_worker_cannot_follow_fails_as_it_would_without_a_forecast(
@@ -278,3 +308,21 @@ def test_a_malformed_running_list_is_refused_naming_its_field(
     setattr(running, field_name, data)
     with pytest.raises(StepError, match=message):
         runner.stage(worker_pb2.Step(step_id=7, running=running))
+
+
+def test_a_release_in_one_lane_drops_the_other_lanes_forecast_of_that_sequence(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = Lockstep(tiny)
+    both.run(both.script.prompt_step({1: 5, 2: 8}, lane=0))
+    both.run(both.script.prompt_step({3: 6, 4: 9}, lane=1))
+    for _ in range(2):
+        assert both.decode([1, 2], lane=0)
+        assert both.decode([3, 4], lane=1)
+    # Sequence 3 finished in lane 1's last step; lane 0's next step says so.
+    entries = both.script.decode_entries([1, 2])
+    released = np.asarray([3], dtype="<u8").tobytes()
+    assert both.run(both.script.step(entries, lane=0, released_seq_ids=released))
+    assert 3 not in both.forecasting.forecasts.filed_under()
+    assert not both.decode([4], lane=1)  # lane 1's forecast went with it: staged in full
+    assert both.decode([4], lane=1)
