@@ -263,6 +263,7 @@ def launched_server(
 
 
 WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging")
+WORKER_STEP_COUNTERS = ("steps", "forecast_steps")
 
 
 def worker_seconds(metrics_url: str | None) -> dict[str, float]:
@@ -276,6 +277,10 @@ def worker_seconds(metrics_url: str | None) -> dict[str, float]:
         match = re.search(rf"^duoserve_worker_{name}_seconds_total (\S+)$", text, re.MULTILINE)
         if match:
             values[name] = float(match.group(1))
+    for name in WORKER_STEP_COUNTERS:
+        match = re.search(rf"^duoserve_worker_{name}_total (\S+)$", text, re.MULTILINE)
+        if match:
+            values[name] = float(match.group(1))
     return values
 
 
@@ -287,7 +292,12 @@ def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dic
         exposed = delta.get("exposed_staging", 0.0) / max(delta.get("staging", 0.0), 1e-9)
         print(
             f"#   worker: busy {delta['busy']:.2f} s, waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
-            f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}",
+            f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}"
+            + (
+                f", {delta['forecast_steps']:.0f} of {delta['steps']:.0f} steps forecast"
+                if {"steps", "forecast_steps"} <= delta.keys()
+                else ""
+            ),
             flush=True,
         )
     return delta

@@ -89,6 +89,7 @@ class _Timings:
         staged = item.staged
         assert staged is not None
         result.staging_seconds = staged.staging_seconds
+        result.forecast = staged.forecast
         result.compute_seconds = time.perf_counter() - started - inner
         if nested:
             return

@@ -176,7 +176,7 @@ class SequenceLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "lane", "seq_ids", "token_ids", "logprobs", "staging_seconds", "exposed_staging_seconds", "compute_seconds", "wait_seconds")
+    __slots__ = ("step_id", "lane", "seq_ids", "token_ids", "logprobs", "staging_seconds", "exposed_staging_seconds", "compute_seconds", "wait_seconds", "forecast")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class StepResult(_message.Message):
     EXPOSED_STAGING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORECAST_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     lane: int
     seq_ids: bytes
@@ -202,7 +203,8 @@ class StepResult(_message.Message):
     exposed_staging_seconds: float
     compute_seconds: float
     wait_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Mapping[int, SequenceLogprobs]] = ..., staging_seconds: _Optional[float] = ..., exposed_staging_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    forecast: bool
+    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Mapping[int, SequenceLogprobs]] = ..., staging_seconds: _Optional[float] = ..., exposed_staging_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., forecast: _Optional[bool] = ...) -> None: ...
 
 class WorkerError(_message.Message):
     __slots__ = ("step_id", "message")

@@ -50,6 +50,7 @@ class WorkerTimes:
     staging: float = 0.0
     exposed_staging: float = 0.0
     steps: int = 0
+    forecast_steps: int = 0  # staged from the worker's forecast of them
     recent: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
     def add(self, result: worker_pb2.StepResult) -> None:
@@ -58,6 +59,7 @@ class WorkerTimes:
         self.staging += result.staging_seconds
         self.exposed_staging += result.exposed_staging_seconds
         self.steps += 1
+        self.forecast_steps += result.forecast
         self.recent.append((time.monotonic(), result.compute_seconds, result.wait_seconds))
 
     def idle_ratio(self, window: float = IDLE_RATIO_WINDOW_S) -> float:

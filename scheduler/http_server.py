@@ -69,6 +69,11 @@ class EngineCollector(Collector):
                 value=times.exposed_staging,
             ),
             CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
+            CounterMetricFamily(
+                "duoserve_worker_forecast_steps",
+                "Steps the worker staged from its forecast of them, built while the step before computed",
+                value=times.forecast_steps,
+            ),
             GaugeMetricFamily(
                 "duoserve_worker_idle_ratio",
                 "Worker wait / (wait + busy) over the last 10 s of steps",

@@ -84,6 +84,11 @@ def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
     assert tokens == expected
     assert len(results) == 2 * 13
     assert all(r.staging_seconds > 0 and 0 <= r.exposed_staging_seconds <= r.staging_seconds for r in results)
+    # The staging thread forecasts each lane's next step while one computes (every prompt ended,
+    # so every step's sequences sample): all 24 decode steps come from forecasts. The one-thread
+    # loop is CUDA's, where the device computes while the thread stages: it forecasts nothing.
+    by_step = sorted(results, key=lambda r: r.step_id)
+    assert [r.forecast for r in by_step] == [False] * 2 + [not one_thread] * 24
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ NAMED = [
     "duoserve_worker_idle_ratio",
     "duoserve_worker_busy_seconds_total",
     "duoserve_worker_wait_seconds_total",
+    "duoserve_worker_forecast_steps_total",
     "duoserve_prompt_tokens_total",
     "duoserve_generation_tokens_total",
     "duoserve_time_to_first_token_seconds_count",
@@ -78,3 +79,5 @@ def test_metrics_move_under_a_short_load_and_settle(smollm_server: ServerProcess
         assert grew(f"duoserve_{histogram}_seconds_sum") > 0, histogram
     assert after['duoserve_queue_size{queue="running"}'] == 0
     assert after["duoserve_worker_busy_seconds_total"] > before["duoserve_worker_busy_seconds_total"]
+    # The CPU worker stages most decode steps from its forecast, built while the step before computed.
+    assert 0 < grew("duoserve_worker_forecast_steps_total") <= grew("duoserve_worker_steps_total")
