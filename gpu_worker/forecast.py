@@ -1,19 +1,21 @@
-"""The next decode step, staged while the current one computes (CPU SBO).
+"""The next step, staged while the current one computes (CPU SBO).
 
 A sequence is in at most one in-flight batch, and with the CPU's one decode lane the scheduler
 sends step k+1 only after step k's result: the message that SBO would stage during step k does
 not exist yet. But what it will say is nearly always known: each sequence that samples a token in
-step k decodes it in step k+1, one position further on. So right after staging step k, the
-staging thread builds that successor's batch (positions, slots, block tables, context lengths,
-attention metadata) and the running-sequence arrays the scheduler will send for it. Step k's
-`finish` writes the sampled tokens straight into the batch's input ids.
+step k decodes it in step k+1, one position further on, and a prompt whose chunk did not reach its
+end goes on with its next window, as long as the last. So right after staging step k, the staging
+thread builds that successor's batch (tokens, positions, slots, block tables, context lengths,
+attention metadata) and the running-sequence arrays the scheduler will send for it, decodes
+first, then prompt windows, each in step k's order. Step k's `finish` writes the sampled tokens
+into the decode rows' input ids.
 
 When step k+1 arrives:
 - with exactly those arrays (the common case: the same sequences in the same order), staging is
-  only writing in the blocks the scheduler added for sequences whose new token starts one;
-- with some of those sequences, in any order (others finished or were released; the scheduler
-  orders a step differently from the one that admitted its prompts), the batch's rows are
-  selected;
+  only writing in the blocks the scheduler added where a new token or window starts one;
+- with some of those sequences, in any order, all decoding (others finished or were released;
+  the scheduler orders a step differently from the one that admitted its prompts), the batch's
+  rows are selected;
 - with anything else (a new or re-sent sequence, a prefill chunk, an urgent step, a block
   allocated ahead of need), the forecast is dropped and the step staged in full.
 
@@ -39,15 +41,38 @@ from protos.running import RunningEntry, pack_running, unpack_running
 if TYPE_CHECKING:
     from gpu_worker.runner import SeqState
 
-Taken = tuple[ForwardBatch, list["SeqState"], float]
-"""A step staged from a forecast: its batch, its sampled sequences, and the seconds spent staging it."""
+
+@dataclass(slots=True)
+class Taken:
+    """A step staged from a forecast."""
+
+    batch: ForwardBatch
+    sampled: list[SeqState]  # in logits-row order
+    scheduled: list[tuple[SeqState, int]]  # every sequence and its new tokens (see forecast_next_step)
+    seconds: float  # spent staging it, the forecast's building included
 
 
 @dataclass(slots=True)
-class DecodeForecast:
-    """Decode step k+1 of D sequences (its rows), built from step k."""
+class _Window:
+    """A prompt's next window in the forecast step (its chunk in step k did not end the prompt)."""
 
-    states: list[SeqState]  # step k's sampled sequences, in its logits order
+    state: SeqState
+    start: int  # first position: the sequence's computed tokens when step k+1 comes
+    length: int
+    row: int  # batch sequence index (after the D decode rows)
+    token_start: int  # first batch row of its tokens
+    new_columns: list[int]  # block-table columns of the blocks the scheduler adds for it
+    key_slots: np.ndarray  # its PrefillAttention.key_slots (positions 0..start+length-1), a view
+    ends_prompt: bool
+
+
+@dataclass(slots=True)
+class StepForecast:
+    """Step k+1, built from step k: D decode rows, then prompt windows."""
+
+    states: list[SeqState]  # the decode rows: step k's sampled sequences, in its logits order
+    windows: list[_Window]
+    tokens: np.ndarray  # [D] int64: step k's sampled tokens (its finish writes them), the rows' inputs
     row_of: dict[int, int]  # sequence id -> row
     expected: worker_pb2.RunningSequences  # Step.running as the scheduler packs it, less the new block ids
     num_computed: np.ndarray  # [D] int64: each sequence's computed tokens when step k+1 comes
@@ -56,9 +81,13 @@ class DecodeForecast:
     block_rows: list[int]  # the rows with a new block, and its column
     block_columns: list[int]
     views: tuple[np.ndarray, ...]  # the batch's slot mapping, block tables, decode tables, key blocks
-    batch: ForwardBatch  # its input ids are step k's sampled tokens; new blocks still to fill in
+    batch: ForwardBatch  # the decode rows' input ids and the new blocks still to fill in
     seconds: float  # spent building it
     used: bool = False  # taken (or tried): never again
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return [*self.row_of, *(window.state.seq_id for window in self.windows)]
 
     def take(self, step: worker_pb2.Step, seqs: dict[int, SeqState]) -> Taken | None:
         """Step `step` from this forecast, with its sequences advanced as a full staging would
@@ -66,17 +95,27 @@ class DecodeForecast:
         if step.new_sequences or step.urgent:
             return None
         started = time.perf_counter()
+        windows = self.windows
         if self._matches_exactly(step):
-            self._fill_blocks(step.running.new_block_ids)
-            taken: tuple[ForwardBatch, list[SeqState]] | None = (self.batch, self.states)
+            blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
+            self._fill_decode_blocks(blocks[: len(self.block_rows)])
+            self._fill_windows(blocks[len(self.block_rows) :])
+            batch, states = self.batch, self.states
+        elif not windows:
+            selected = self._select(step, seqs)
+            if selected is None:
+                return None
+            batch, states = selected
         else:
-            taken = self._select(step, seqs)
-        if taken is None:
             return None
-        batch, states = taken
         for state in states:
             state.num_computed += 1
-        return batch, states, self.seconds + time.perf_counter() - started
+        scheduled = [(state, 1) for state in states]
+        for window in windows:
+            window.state.num_computed += window.length
+            scheduled.append((window.state, window.length))
+        sampled = states + [window.state for window in windows if window.ends_prompt]
+        return Taken(batch, sampled, scheduled, self.seconds + time.perf_counter() - started)
 
     def _matches_exactly(self, step: worker_pb2.Step) -> bool:
         running, expected = step.running, self.expected
@@ -86,16 +125,19 @@ class DecodeForecast:
             and running.num_computed_tokens == expected.num_computed_tokens
             and running.num_new_tokens == expected.num_new_tokens
             and running.num_new_blocks == expected.num_new_blocks
-            and len(running.new_block_ids) == 4 * len(self.block_rows)
+            and len(running.new_block_ids)
+            == 4 * (len(self.block_rows) + sum(len(window.new_columns) for window in self.windows))
         )
 
-    def _fill_blocks(self, block_ids: bytes) -> None:
-        """The exact case: write the scheduler's new blocks where the forecast left block 0."""
+    def _fill_decode_blocks(self, blocks: list[int]) -> None:
+        """The exact case: write the scheduler's new blocks where the forecast left block 0, and
+        the decode rows' input ids."""
+        batch = self.batch
+        if self.windows:
+            batch.input_ids.numpy()[: len(self.states)] = self.tokens
         if not self.block_rows:
             return
-        batch = self.batch
         assert batch.decode is not None
-        blocks = np.frombuffer(block_ids, dtype="<i4").tolist()
         slots, tables, decode_tables, key_blocks = self.views
         per_row = decode_tables.shape[1]
         for row, column, block in zip(self.block_rows, self.block_columns, blocks, strict=True):
@@ -103,6 +145,22 @@ class DecodeForecast:
             tables[row, column] = decode_tables[row, column] = block
             key_blocks[row * per_row + column] = block
             self.states[row].block_table.append(block)
+
+    def _fill_windows(self, blocks: list[int]) -> None:
+        """Each window's new blocks (in order), in its tokens' slots, its key slots and its table."""
+        slots, tables = self.views[0], self.views[1]
+        size = self.batch.block_size
+        next_block = iter(blocks)
+        for window in self.windows:
+            end = window.start + window.length
+            for column in window.new_columns:
+                block = next(next_block)
+                positions = np.arange(max(window.start, column * size), min(end, (column + 1) * size))
+                block_slots = block * size + positions % size
+                slots[window.token_start + positions - window.start] = block_slots
+                window.key_slots[positions] = block_slots
+                tables[window.row, column] = block
+                window.state.block_table.append(block)
 
     def _select(
         self, step: worker_pb2.Step, seqs: dict[int, SeqState]
@@ -156,25 +214,27 @@ def _add_blocks(batch: ForwardBatch, rows: np.ndarray, columns: np.ndarray, bloc
     return blocks
 
 
-def forecast_decode(
-    batch: ForwardBatch | None, states: list[SeqState], sampled_tokens: np.ndarray, block_size: int
-) -> DecodeForecast | None:
-    """The successor of the CPU step staged as `batch`, whose sampled sequences `states` get
-    their tokens in `sampled_tokens`; None unless every sequence in that step samples (a prompt
-    chunk that does not end its prompt is followed by the next chunk, not a decode)."""
+def forecast_next_step(
+    batch: ForwardBatch | None,
+    scheduled: list[tuple[SeqState, int]],
+    sampled: list[SeqState],
+    sampled_tokens: np.ndarray,
+    block_size: int,
+) -> StepForecast | None:
+    """The successor of the CPU step staged as `batch`, which ran `scheduled` (each sequence with
+    its new tokens, in the step's order) and samples `sampled` into `sampled_tokens`: a decode for
+    each of those, then the next window of each prompt whose chunk did not end it, as long as that
+    chunk (or what is left). None when there is nothing to forecast, or a window of one token
+    (its batch row would pass for a decode's)."""
     started = time.perf_counter()
-    if (
-        batch is None
-        or not states
-        or batch.num_logits != len(states)
-        or len(batch.chunk_order) != len(states)
-    ):
+    if batch is None or not scheduled:
         return None
+    sampling = {id(state) for state in sampled}
     chunks = []
     entries = []
-    table_lens = np.empty(len(states), dtype=np.int64)
-    new_block_column = np.full(len(states), -1, dtype=np.int64)
-    for row, state in enumerate(states):
+    table_lens = np.empty(len(sampled), dtype=np.int64)
+    new_block_column = np.full(len(sampled), -1, dtype=np.int64)
+    for row, state in enumerate(sampled):
         position = state.num_computed  # the token step k samples goes here
         table: list[int] = state.block_table
         covered = len(table) * block_size
@@ -188,24 +248,58 @@ def forecast_decode(
         table_lens[row] = len(table)
         chunks.append(ScheduledChunk((0,), position, table, True))
         entries.append(RunningEntry(state.seq_id, position, 1, new_blocks))
+    windows = []
+    token_start = len(sampled)
+    for state, last_length in scheduled:
+        if id(state) in sampling:
+            continue
+        start = state.num_computed
+        length = min(len(state.token_ids) - start, last_length)
+        if length < 2:
+            return None
+        covered = len(state.block_table)
+        needed = -(-(start + length) // block_size)
+        new_columns = list(range(covered, max(covered, needed)))
+        ends_prompt = start + length == len(state.token_ids)
+        table = [*state.block_table, *([0] * len(new_columns))]
+        chunks.append(ScheduledChunk(state.token_ids[start : start + length], start, table, ends_prompt))
+        entries.append(RunningEntry(state.seq_id, start, length, [0] * len(new_columns)))
+        windows.append((state, start, length, len(chunks) - 1, token_start, new_columns, ends_prompt))
+        token_start += length
     expected = pack_running(entries)
     expected.ClearField("new_block_ids")
     forecast_batch = build_forward_batch(chunks, block_size, "cpu")
-    forecast_batch.input_ids = torch.from_numpy(sampled_tokens)  # [D] int64, written by finish
-    assert forecast_batch.decode is not None
-    block_rows = np.flatnonzero(new_block_column >= 0)
-    # CPU tensors: writing into these views writes into the batch.
-    views = (
+    if not windows:
+        forecast_batch.input_ids = torch.from_numpy(sampled_tokens)  # [D] int64, written by finish
+    views = (  # CPU tensors: writing into these views writes into the batch
         forecast_batch.slot_mapping.numpy(),
         forecast_batch.block_tables.numpy(),
-        forecast_batch.decode.block_tables.numpy(),
-        forecast_batch.decode.key_blocks.numpy(),
+        *(
+            (forecast_batch.decode.block_tables.numpy(), forecast_batch.decode.key_blocks.numpy())
+            if forecast_batch.decode is not None
+            else ()
+        ),
     )
-    return DecodeForecast(
-        states=list(states),
-        row_of={state.seq_id: row for row, state in enumerate(states)},
+    window_records = []
+    for (state, start, length, row, first_token, new_columns, ends_prompt), prefill in zip(
+        windows, forecast_batch.prefills, strict=True
+    ):
+        assert prefill.key_slots is not None and prefill.token_start == first_token, (
+            "a window continues a prompt"
+        )
+        window_records.append(
+            _Window(
+                state, start, length, row, first_token, new_columns, prefill.key_slots.numpy(), ends_prompt
+            )
+        )
+    block_rows = np.flatnonzero(new_block_column >= 0)
+    return StepForecast(
+        states=list(sampled),
+        windows=window_records,
+        tokens=sampled_tokens,
+        row_of={state.seq_id: row for row, state in enumerate(sampled)},
         expected=expected,
-        num_computed=np.fromiter((s.num_computed for s in states), dtype=np.int64, count=len(states)),
+        num_computed=np.fromiter((s.num_computed for s in sampled), dtype=np.int64, count=len(sampled)),
         table_lens=table_lens,
         new_block_column=new_block_column,
         block_rows=block_rows.tolist(),
@@ -227,13 +321,13 @@ class Forecasts:
     """
 
     def __init__(self) -> None:
-        self._by_seq: dict[int, DecodeForecast] = {}
+        self._by_seq: dict[int, StepForecast] = {}
 
-    def add(self, forecast: DecodeForecast) -> None:
+    def add(self, forecast: StepForecast) -> None:
         for seq_id in [s for s, f in self._by_seq.items() if f.used]:
             del self._by_seq[seq_id]
-        self.drop_touching(forecast.row_of)
-        for seq_id in forecast.row_of:
+        self.drop_touching(forecast.seq_ids)
+        for seq_id in forecast.seq_ids:
             self._by_seq[seq_id] = forecast
 
     def take(self, step: worker_pb2.Step, seqs: dict[int, SeqState]) -> Taken | None:
@@ -256,8 +350,8 @@ class Forecasts:
             if forecast is not None:
                 self._remove(forecast)
 
-    def _remove(self, forecast: DecodeForecast) -> None:
-        for seq_id in forecast.row_of:
+    def _remove(self, forecast: StepForecast) -> None:
+        for seq_id in forecast.seq_ids:
             if self._by_seq.get(seq_id) is forecast:
                 del self._by_seq[seq_id]
 

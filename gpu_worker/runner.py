@@ -26,7 +26,7 @@ import torch
 
 from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
 from gpu_worker.cuda_graphs import DecodeGraphs
-from gpu_worker.forecast import Forecasts, forecast_decode
+from gpu_worker.forecast import Forecasts, forecast_next_step
 from gpu_worker.kv_cache import KVCache
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import Sampler, SamplerOutput, SamplingParams, SamplingRow
@@ -55,6 +55,7 @@ class StagedStep:
     lane: int
     batch: ForwardBatch | None  # None for a step that only releases sequences
     sampled: list[SeqState]  # sequences sampling a token, in logits-row order
+    scheduled: list[tuple[SeqState, int]] = field(default_factory=list)  # all, with their new tokens
     staging_seconds: float = 0.0
     staged_at: float = field(default_factory=time.perf_counter)
     traceparents: dict[int, str] = field(default_factory=dict)  # traced sequences' spans (see worker.proto)
@@ -150,10 +151,10 @@ class ModelRunner:
         batch: ForwardBatch | None
         ready = None
         if taken is not None:
-            batch, sampled, spent = taken
+            batch, sampled, scheduled, spent = taken.batch, taken.sampled, taken.scheduled, taken.seconds
         else:
             try:
-                batch, sampled, ready = self._stage_in_full(step)
+                batch, sampled, scheduled, ready = self._stage_in_full(step)
             finally:
                 self.forecasts.drop_touching(_seq_ids_of(step))
             spent = 0.0
@@ -162,6 +163,7 @@ class ModelRunner:
             lane=step.lane,
             batch=batch,
             sampled=sampled,
+            scheduled=scheduled,
             staging_seconds=spent + time.perf_counter() - started,
             traceparents=dict(step.traceparents),
             urgent=step.urgent,
@@ -171,20 +173,22 @@ class ModelRunner:
         )
 
     def forecast(self, staged: StagedStep) -> None:
-        """Build the decode step likely to follow `staged` (see gpu_worker/forecast.py), for `stage`
+        """Build the step likely to follow `staged` (see gpu_worker/forecast.py), for `stage`
         to take when it comes. CPU only, and only worth it while the step computes: SBO's staging
         thread calls it right after staging a step."""
         if self.device.type != "cpu":
             return
-        forecast = forecast_decode(staged.batch, staged.sampled, staged.sampled_tokens, self.block_size)
+        forecast = forecast_next_step(
+            staged.batch, staged.scheduled, staged.sampled, staged.sampled_tokens, self.block_size
+        )
         if forecast is not None:
             self.forecasts.add(forecast)
 
     def _stage_in_full(
         self, step: worker_pb2.Step
-    ) -> tuple[ForwardBatch | None, list[SeqState], torch.cuda.Event | None]:
-        """The step's batch, its sampled sequences, and (CUDA SBO) the event after which its
-        inputs are on the device."""
+    ) -> tuple[ForwardBatch | None, list[SeqState], list[tuple[SeqState, int]], torch.cuda.Event | None]:
+        """The step's batch, its sampled sequences, every sequence with its new tokens, and (CUDA
+        SBO) the event after which its inputs are on the device."""
         try:
             running = unpack_running(step.running)
         except ValueError as err:
@@ -243,11 +247,12 @@ class ModelRunner:
                 sampled.append(state)
             state.num_computed = end
         if not chunks:
-            return None, sampled, None
+            return None, sampled, scheduled, None
         if self.streams is None:
-            return build_forward_batch(chunks, self.block_size, self.device), sampled, None
+            return build_forward_batch(chunks, self.block_size, self.device), sampled, scheduled, None
         upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
-        return build_forward_batch(chunks, self.block_size, self.device, upload), sampled, upload.ready()
+        batch = build_forward_batch(chunks, self.block_size, self.device, upload)
+        return batch, sampled, scheduled, upload.ready()
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:

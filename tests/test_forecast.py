@@ -52,23 +52,43 @@ class Script:
         self.next_block += count
         return blocks
 
-    def prompt_step(self, prompts: dict[int, int], lane: int = 0) -> worker_pb2.Step:
+    def prompt_step(
+        self,
+        prompts: dict[int, int],
+        lane: int = 0,
+        chunk: int = 0,
+        running: list[RunningEntry] | None = None,
+    ) -> worker_pb2.Step:
+        """New sequences' prompts (their first `chunk` tokens when given), and `running` after them."""
         self.step_id += 1
         step = worker_pb2.Step(step_id=self.step_id, lane=lane)
         for seq_id, length in prompts.items():
             tokens = [(seq_id * 31 + 7 * i) % 250 + 3 for i in range(length)]
-            seq = self.seqs[seq_id] = Seq(tokens, self.blocks_for(-(-length // BLOCK_SIZE)), length)
+            first = min(chunk or length, length)
+            seq = self.seqs[seq_id] = Seq(tokens, self.blocks_for(-(-first // BLOCK_SIZE)), first)
             step.new_sequences.append(
                 worker_pb2.NewSequence(
                     seq_id=seq_id,
                     token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
                     prompt_len=length,
                     block_ids=np.asarray(seq.blocks, dtype="<i4").tobytes(),
-                    num_new_tokens=length,
+                    num_new_tokens=first,
                     sampling=GREEDY,
                 )
             )
+        if running:
+            step.running.CopyFrom(pack_running(running))
+            for entry in running:
+                self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
         return step
+
+    def window(self, seq_id: int, length: int) -> RunningEntry:
+        """The next `length` tokens of a prompt, with the blocks they need."""
+        seq = self.seqs[seq_id]
+        needed = -(-(seq.computed + length) // BLOCK_SIZE)
+        entry = RunningEntry(seq_id, seq.computed, length, self.blocks_for(needed - len(seq.blocks)))
+        seq.computed += length
+        return entry
 
     def decode_entries(self, seq_ids: list[int]) -> list[RunningEntry]:
         """Each sequence's next decode, with a block added where its new token starts one."""
@@ -104,8 +124,20 @@ def assert_same_batch(forecast: ForwardBatch | None, full: ForwardBatch | None) 
     ):
         assert torch.equal(getattr(forecast, name), getattr(full, name)), name
     assert torch.equal(forecast.block_tables, full.block_tables), (forecast.block_tables, full.block_tables)
-    assert forecast.chunk_order == full.chunk_order and forecast.prefills == full.prefills == ()
-    assert forecast.decode is not None and full.decode is not None
+    assert forecast.chunk_order == full.chunk_order
+    assert len(forecast.prefills) == len(full.prefills)
+    for ours, theirs in zip(forecast.prefills, full.prefills, strict=True):
+        assert (ours.token_start, ours.num_tokens, ours.start_position) == (
+            theirs.token_start,
+            theirs.num_tokens,
+            theirs.start_position,
+        )
+        for name in ("key_slots", "mask"):
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), name
+    assert (forecast.decode is None) == (full.decode is None)
+    if forecast.decode is None or full.decode is None:
+        return
     assert forecast.decode.num_seqs == full.decode.num_seqs
     assert forecast.decode.max_context == full.decode.max_context
     for name in ("block_tables", "context_lens", "key_blocks", "key_mask"):
@@ -172,12 +204,7 @@ def released(script: Script) -> worker_pb2.Step:
 
 
 def joined(script: Script) -> worker_pb2.Step:
-    entries = script.decode_entries([1, 2, 3])
-    step = script.prompt_step({4: 6})
-    step.running.CopyFrom(pack_running(entries))
-    for entry in entries:
-        script.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
-    return step
+    return script.prompt_step({4: 6}, running=script.decode_entries([1, 2, 3]))
 
 
 def reordered(script: Script) -> worker_pb2.Step:
@@ -235,21 +262,39 @@ def test_a_step_the_forecast_cannot_serve_is_staged_in_full(
     assert both.decode(sorted(both.forecasting.seqs))
 
 
-def test_a_prompt_chunk_that_does_not_end_its_prompt_is_followed_by_a_full_staging(
+def test_a_long_prompt_goes_on_window_after_window_from_the_forecast(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
-    both = start_three(tiny)
+    """Windows of 12 tokens over blocks of 8: each starts one or two blocks the forecast leaves to
+    the scheduler, in its tokens' slots and in the key slots of its cached prefix."""
+    both = Lockstep(tiny)
     script = both.script
-    step = script.prompt_step({4: 12})
-    step.new_sequences[0].num_new_tokens = 8  # the first chunk: no token sampled for 4
-    step.running.CopyFrom(pack_running(entries := script.decode_entries([1, 2, 3])))
-    for entry in entries:
-        script.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
-    assert not both.run(step)
-    assert both.last_order == [1, 2, 3]
-    rest = [RunningEntry(4, 8, 4), *script.decode_entries([1, 2, 3])]
-    assert not both.run(script.step(rest))  # the prompt's second chunk: not what was forecast
-    assert both.decode([1, 2, 3, 4])
+    both.run(script.prompt_step({1: 5, 2: 9}))
+    # Sequence 3's first window comes with 1 and 2's decodes, as the scheduler sends it (a new
+    # sequence: staged in full).
+    assert not both.run(script.prompt_step({3: 41}, chunk=12, running=script.decode_entries([1, 2])))
+    # Then decodes first, the window after them (the planner's order): 12, 12, then the last 5.
+    for length in (12, 12, 5):
+        assert both.run(script.step([*script.decode_entries([1, 2]), script.window(3, length)]))
+    assert both.forecasting.seqs[3].num_computed == 41 and len(both.forecasting.seqs[3].block_table) == 6
+    assert both.last_order == [1, 2, 3]  # the prompt ended: 3 sampled its first token
+    assert both.decode([1, 2, 3])
+
+
+def test_a_lone_prompt_in_windows_and_a_window_of_another_length(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = Lockstep(tiny)
+    script = both.script
+    assert not both.run(script.prompt_step({5: 35}, chunk=10))
+    assert both.run(script.step([script.window(5, 10)]))  # no decode rows at all
+    # The scheduler's budget cut this one short: not the forecast window, staged in full.
+    assert not both.run(script.step([script.window(5, 7)]))
+    assert both.run(script.step([script.window(5, 7)]))  # as long as the last one
+    # One token left: a window of one would pass for a decode in the batch; none is forecast.
+    assert not both.run(script.step([script.window(5, 1)]))
+    assert both.last_order == [5]
+    assert both.decode([5])
 
 
 def test_a_step_the_worker_cannot_follow_fails_as_it_would_without_a_forecast(
