@@ -16,8 +16,9 @@ When step k+1 arrives:
 - with some of those sequences, in any order, all decoding (others finished or were released;
   the scheduler orders a step differently from the one that admitted its prompts), the batch's
   rows are selected;
-- with anything else (a new or re-sent sequence, a prefill chunk, an urgent step, a block
-  allocated ahead of need), the forecast is dropped and the step staged in full.
+- with anything else (a new or re-sent sequence, a window of another length or in another place,
+  an urgent step, a block allocated ahead of need), the forecast is dropped and the step staged
+  in full. Nothing is lost but the time spent building it.
 
 What is left for after arrival is kept to a few byte comparisons and array writes: just after a
 forward pass has streamed the weights and the KV cache through the CPU's caches, every Python and
