@@ -81,7 +81,7 @@ class StepForecast:
     new_block_column: np.ndarray  # [D] int64: where the block the scheduler adds goes; -1: none
     block_rows: list[int]  # the rows with a new block, and its column
     block_columns: list[int]
-    views: tuple[np.ndarray, ...]  # the batch's slot mapping, block tables, decode tables, key blocks
+    views: tuple[np.ndarray, ...]  # _views(batch)
     batch: ForwardBatch  # the decode rows' input ids and the new blocks still to fill in
     seconds: float  # spent building it
     used: bool = False  # taken (or tried): never again
@@ -98,10 +98,17 @@ class StepForecast:
         started = time.perf_counter()
         windows = self.windows
         if self._matches_exactly(step):
-            blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
-            self._fill_decode_blocks(blocks[: len(self.block_rows)])
-            self._fill_windows(blocks[len(self.block_rows) :])
             batch, states = self.batch, self.states
+            if windows:  # else the input ids are step k's token buffer itself
+                batch.input_ids.numpy()[: len(states)] = self.tokens
+            blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
+            decode_blocks = blocks[: len(self.block_rows)]
+            _write_decode_blocks(
+                self.views, batch.block_size, self.block_rows, self.block_columns, decode_blocks
+            )
+            for row, block in zip(self.block_rows, decode_blocks, strict=True):
+                states[row].block_table.append(block)
+            self._fill_windows(blocks[len(self.block_rows) :])
         elif not windows:
             selected = self._select(step, seqs)
             if selected is None:
@@ -129,23 +136,6 @@ class StepForecast:
             and len(running.new_block_ids)
             == 4 * (len(self.block_rows) + sum(len(window.new_columns) for window in self.windows))
         )
-
-    def _fill_decode_blocks(self, blocks: list[int]) -> None:
-        """The exact case: write the scheduler's new blocks where the forecast left block 0, and
-        the decode rows' input ids."""
-        batch = self.batch
-        if self.windows:
-            batch.input_ids.numpy()[: len(self.states)] = self.tokens
-        if not self.block_rows:
-            return
-        assert batch.decode is not None
-        slots, tables, decode_tables, key_blocks = self.views
-        per_row = decode_tables.shape[1]
-        for row, column, block in zip(self.block_rows, self.block_columns, blocks, strict=True):
-            slots[row] = block * batch.block_size  # the new token is the block's first
-            tables[row, column] = decode_tables[row, column] = block
-            key_blocks[row * per_row + column] = block
-            self.states[row].block_table.append(block)
 
     def _fill_windows(self, blocks: list[int]) -> None:
         """Each window's new blocks (in order), in its tokens' slots, its key slots and its table."""
@@ -188,31 +178,36 @@ class StepForecast:
             seqs.pop(seq_id, None)
         batch = select_decode_rows(self.batch, rows, int(self.table_lens[rows].max()))
         sub_rows = np.flatnonzero(new_block)
-        blocks = _add_blocks(
-            batch, sub_rows, self.new_block_column[rows[sub_rows]], step.running.new_block_ids
-        )
-        for row, block in zip(rows[sub_rows].tolist(), blocks, strict=True):
-            self.states[row].block_table.append(block)
+        if len(sub_rows):
+            blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
+            columns = self.new_block_column[rows[sub_rows]].tolist()
+            _write_decode_blocks(_views(batch), batch.block_size, sub_rows.tolist(), columns, blocks)
+            for row, block in zip(rows[sub_rows].tolist(), blocks, strict=True):
+                self.states[row].block_table.append(block)
         return batch, [self.states[row] for row in rows.tolist()]
 
 
-def _add_blocks(batch: ForwardBatch, rows: np.ndarray, columns: np.ndarray, block_ids: bytes) -> list[int]:
-    """Batch rows `rows` start block `block_ids[i]` (one each, int32) at table column `columns[i]`
-    with their new token; returns the blocks. CPU tensors: the numpy views write into them."""
-    if not len(rows):
-        return []
-    assert batch.decode is not None
-    slots = batch.slot_mapping.numpy()
-    tables = batch.block_tables.numpy()
-    decode_tables = batch.decode.block_tables.numpy()
-    key_blocks = batch.decode.key_blocks.numpy()
+def _views(batch: ForwardBatch) -> tuple[np.ndarray, ...]:
+    """Slot mapping and block tables, and the decode rows' tables and key blocks when there are
+    decode rows: numpy views of the CPU tensors (writes go into the batch)."""
+    views = (batch.slot_mapping.numpy(), batch.block_tables.numpy())
+    if batch.decode is None:
+        return views
+    return (*views, batch.decode.block_tables.numpy(), batch.decode.key_blocks.numpy())
+
+
+def _write_decode_blocks(
+    views: tuple[np.ndarray, ...], block_size: int, rows: list[int], columns: list[int], blocks: list[int]
+) -> None:
+    """Decode rows `rows` start block `blocks[i]` at table column `columns[i]` with their new token."""
+    if not rows:
+        return
+    slots, tables, decode_tables, key_blocks = views
     per_row = decode_tables.shape[1]
-    blocks = np.frombuffer(block_ids, dtype="<i4").tolist()
-    for row, column, block in zip(rows.tolist(), columns.tolist(), blocks, strict=True):
-        slots[row] = block * batch.block_size  # the new token is the block's first
+    for row, column, block in zip(rows, columns, blocks, strict=True):
+        slots[row] = block * block_size  # the new token is the block's first
         tables[row, column] = decode_tables[row, column] = block
         key_blocks[row * per_row + column] = block
-    return blocks
 
 
 def forecast_next_step(
@@ -272,15 +267,6 @@ def forecast_next_step(
     forecast_batch = build_forward_batch(chunks, block_size, "cpu")
     if not windows:
         forecast_batch.input_ids = torch.from_numpy(sampled_tokens)  # [D] int64, written by finish
-    views = (  # CPU tensors: writing into these views writes into the batch
-        forecast_batch.slot_mapping.numpy(),
-        forecast_batch.block_tables.numpy(),
-        *(
-            (forecast_batch.decode.block_tables.numpy(), forecast_batch.decode.key_blocks.numpy())
-            if forecast_batch.decode is not None
-            else ()
-        ),
-    )
     window_records = []
     for (state, start, length, row, first_token, new_columns, ends_prompt), prefill in zip(
         windows, forecast_batch.prefills, strict=True
@@ -305,7 +291,7 @@ def forecast_next_step(
         new_block_column=new_block_column,
         block_rows=block_rows.tolist(),
         block_columns=new_block_column[block_rows].tolist(),
-        views=views,
+        views=_views(forecast_batch),
         batch=forecast_batch,
         seconds=time.perf_counter() - started,
     )
