@@ -35,7 +35,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch, select_decode_rows
+from gpu_worker.batch import (
+    DecodeAttention,
+    ForwardBatch,
+    ScheduledChunk,
+    build_forward_batch,
+    select_decode_rows,
+)
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running, unpack_running
 
@@ -225,6 +231,13 @@ def forecast_next_step(
     started = time.perf_counter()
     if batch is None or not scheduled:
         return None
+    if (
+        not batch.prefills
+        and batch.decode is not None
+        and batch.decode.num_seqs == len(sampled) == len(scheduled)
+        and batch.chunk_order == tuple(range(len(sampled)))
+    ):
+        return _next_decodes(batch, sampled, sampled_tokens, started)
     sampling = {id(state) for state in sampled}
     chunks = []
     entries = []
@@ -291,6 +304,77 @@ def forecast_next_step(
         new_block_column=new_block_column,
         block_rows=block_rows.tolist(),
         block_columns=new_block_column[block_rows].tolist(),
+        views=_views(forecast_batch),
+        batch=forecast_batch,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _next_decodes(
+    batch: ForwardBatch, states: list[SeqState], sampled_tokens: np.ndarray, started: float
+) -> StepForecast | None:
+    """The common case, a decode-only step (row i is states[i]), advanced one token in a few array
+    operations instead of a build from chunks: every row's position and context one up, its slot
+    the next one, a table column more where a row's new token starts a block (block 0 until the
+    scheduler names it). Laid out as build_forward_batch lays out the same step."""
+    size = batch.block_size
+    count = len(states)
+    table_lens = np.fromiter((len(s.block_table) for s in states), dtype=np.int64, count=count)
+    positions = batch.positions.numpy() + 1  # [D] where step k's sampled tokens go
+    covered = table_lens * size
+    if (positions > covered).any():
+        return None
+    new_block = positions == covered
+    new_lens = table_lens + new_block
+    old_tables = batch.block_tables.numpy()  # [D, W] int32, as wide as the longest table
+    tables = np.zeros((count, int(new_lens.max())), dtype=np.int32)
+    tables[:, : old_tables.shape[1]] = old_tables
+    slots = tables[np.arange(count), positions // size].astype(np.int64) * size + positions % size
+    context_lens = (positions + 1).astype(np.int32)
+    num_blocks = -(-int(context_lens.max()) // size)
+    max_context = num_blocks * size
+    decode_tables = np.ascontiguousarray(tables[:, :num_blocks])
+    key_mask = np.arange(max_context)[None, :] < context_lens[:, None]  # [D, L]
+    context = torch.from_numpy(context_lens)
+    forecast_batch = ForwardBatch(
+        input_ids=torch.from_numpy(sampled_tokens),  # [D] int64, written by finish
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        logits_indices=batch.logits_indices,
+        query_start_loc=batch.query_start_loc,
+        context_lens=context,
+        block_tables=torch.from_numpy(tables),
+        chunk_order=batch.chunk_order,
+        block_size=size,
+        decode=DecodeAttention(
+            num_seqs=count,
+            max_context=max_context,
+            block_tables=torch.from_numpy(decode_tables),
+            context_lens=context,
+            key_blocks=torch.from_numpy(decode_tables.reshape(-1).astype(np.int64)),
+            key_mask=torch.from_numpy(key_mask.reshape(count, 1, 1, max_context)),
+        ),
+        prefills=(),
+    )
+    expected = worker_pb2.RunningSequences(
+        seq_ids=np.fromiter((s.seq_id for s in states), dtype="<u8", count=count).tobytes(),
+        num_computed_tokens=positions.astype("<u4").tobytes(),
+        num_new_tokens=np.ones(count, dtype="<u4").tobytes(),
+        num_new_blocks=new_block.astype("<u4").tobytes(),
+    )
+    block_rows = np.flatnonzero(new_block)
+    new_block_column = np.where(new_block, table_lens, -1)
+    return StepForecast(
+        states=list(states),
+        windows=[],
+        tokens=sampled_tokens,
+        row_of={state.seq_id: row for row, state in enumerate(states)},
+        expected=expected,
+        num_computed=positions,
+        table_lens=new_lens,
+        new_block_column=new_block_column,
+        block_rows=block_rows.tolist(),
+        block_columns=table_lens[block_rows].tolist(),
         views=_views(forecast_batch),
         batch=forecast_batch,
         seconds=time.perf_counter() - started,
