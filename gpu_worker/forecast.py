@@ -292,21 +292,17 @@ def forecast_next_step(
                 state, start, length, row, first_token, new_columns, prefill.key_slots.numpy(), ends_prompt
             )
         )
-    block_rows = np.flatnonzero(new_block_column >= 0)
-    return StepForecast(
-        states=list(sampled),
+    num_computed = np.fromiter((s.num_computed for s in sampled), dtype=np.int64, count=len(sampled))
+    return _forecast(
+        batch=forecast_batch,
+        states=sampled,
         windows=window_records,
-        tokens=sampled_tokens,
-        row_of={state.seq_id: row for row, state in enumerate(sampled)},
+        sampled_tokens=sampled_tokens,
         expected=expected,
-        num_computed=np.fromiter((s.num_computed for s in sampled), dtype=np.int64, count=len(sampled)),
+        num_computed=num_computed,
         table_lens=table_lens,
         new_block_column=new_block_column,
-        block_rows=block_rows.tolist(),
-        block_columns=new_block_column[block_rows].tolist(),
-        views=_views(forecast_batch),
-        batch=forecast_batch,
-        seconds=time.perf_counter() - started,
+        started=started,
     )
 
 
@@ -362,21 +358,48 @@ def _next_decodes(
         num_new_tokens=np.ones(count, dtype="<u4").tobytes(),
         num_new_blocks=new_block.astype("<u4").tobytes(),
     )
-    block_rows = np.flatnonzero(new_block)
     new_block_column = np.where(new_block, table_lens, -1)
-    return StepForecast(
-        states=list(states),
+    return _forecast(
+        batch=forecast_batch,
+        states=states,
         windows=[],
-        tokens=sampled_tokens,
-        row_of={state.seq_id: row for row, state in enumerate(states)},
+        sampled_tokens=sampled_tokens,
         expected=expected,
         num_computed=positions,
         table_lens=new_lens,
         new_block_column=new_block_column,
+        started=started,
+    )
+
+
+def _forecast(
+    *,
+    batch: ForwardBatch,
+    states: list[SeqState],
+    windows: list[_Window],
+    sampled_tokens: np.ndarray,
+    expected: worker_pb2.RunningSequences,
+    num_computed: np.ndarray,
+    table_lens: np.ndarray,
+    new_block_column: np.ndarray,
+    started: float,
+) -> StepForecast:
+    """A StepForecast, with what follows from those (rows by sequence, the rows with a new block,
+    the batch's views, the seconds since `started`)."""
+    block_rows = np.flatnonzero(new_block_column >= 0)
+    return StepForecast(
+        states=list(states),
+        windows=windows,
+        tokens=sampled_tokens,
+        row_of={state.seq_id: row for row, state in enumerate(states)},
+        expected=expected,
+        num_computed=num_computed,
+        table_lens=table_lens,
+        new_block_column=new_block_column,
         block_rows=block_rows.tolist(),
-        block_columns=table_lens[block_rows].tolist(),
-        views=_views(forecast_batch),
-        batch=forecast_batch,
+        block_columns=new_block_column[block_rows].tolist(),
+        views=_views(batch),
+        batch=batch,
         seconds=time.perf_counter() - started,
     )
 
