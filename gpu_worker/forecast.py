@@ -452,6 +452,10 @@ class Forecasts:
     def clear(self) -> None:
         self._by_seq.clear()
 
+    def __len__(self) -> int:
+        """Sequences filed, under used forecasts too (they leave at the next `add`)."""
+        return len(self._by_seq)
+
     def filed_under(self) -> set[int]:
         """The sequences forecasts that can still be taken hold."""
         return {seq_id for seq_id, forecast in self._by_seq.items() if not forecast.used}

@@ -156,7 +156,8 @@ class ModelRunner:
             try:
                 batch, sampled, scheduled, ready = self._stage_in_full(step)
             finally:
-                self.forecasts.drop_touching(_seq_ids_of(step))
+                if self.forecasts:  # never on CUDA or without SBO: nothing to look up
+                    self.forecasts.drop_touching(_seq_ids_of(step))
             spent = 0.0
         return StagedStep(
             step_id=step.step_id,
