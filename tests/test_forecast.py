@@ -371,3 +371,22 @@ def test_a_release_in_one_lane_drops_the_other_lanes_forecast_of_that_sequence(
     assert 3 not in both.forecasting.forecasts.filed_under()
     assert not both.decode([4], lane=1)  # lane 1's forecast went with it: staged in full
     assert both.decode([4], lane=1)
+
+
+def test_a_step_staged_in_full_drops_the_forecasts_that_share_a_sequence_with_it(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = Lockstep(tiny)
+    script = both.script
+    both.run(script.prompt_step({1: 5, 2: 8}, lane=0))
+    both.run(script.prompt_step({3: 6, 4: 9}, lane=1))
+    assert both.decode([1, 2], lane=0)
+    assert both.decode([3, 4], lane=1)
+    # Lane 0 admits a prompt and says 3 is gone: staged in full, so lane 1's forecast of 3 and 4
+    # must go (Lockstep checks that no forecast stays filed under a dropped sequence).
+    released = np.asarray([3], dtype="<u8").tobytes()
+    step = script.prompt_step({5: 7}, running=script.decode_entries([1, 2]))
+    step.released_seq_ids = released
+    assert not both.run(step)
+    assert not both.decode([4], lane=1)  # its forecast went: staged in full
+    assert both.decode([4], lane=1)
