@@ -3,10 +3,13 @@
     python bench/serving.py --transformers --configs dtype=float32 dtype=bfloat16
     python bench/serving.py --quick --transformers           # smoke run
     python bench/serving.py --server localhost:50051 --rate 4  # a running server, Poisson 4 req/s
+    python bench/serving.py --rounds 6 --workloads random --configs dtype=bfloat16 dtype=bfloat16,no-sbo
 
 Each server configuration is launched in turn (``duoserve serve`` from this venv), run
 against the same seeded prompts (sent as token ids, greedy, ignore_eos), and stopped;
-transformers then runs the same token ids in static left-padded batches. Throughput is
+transformers then runs the same token ids in static left-padded batches. With ``--rounds N``
+the servers run side by side (only one is sent requests at a time) and take turns, so drift in
+the machine's speed falls on both configs of a round alike. Throughput is
 output tokens / wall time from the first request sent to the last token received.
 """
 
@@ -23,6 +26,7 @@ import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -464,6 +468,38 @@ def ratios(summaries: list[RunSummary]) -> list[dict[str, Any]]:
     return rows
 
 
+def paired_ratios(summaries: Sequence[RunSummary], baseline: str) -> list[dict[str, Any]]:
+    """For each duoserve config other than `baseline`, workload and mode: its output tok/s over
+    the baseline's in the same round (summaries carry extra["round"]), summarised over rounds."""
+    by_key: dict[tuple[str, str, str], dict[int, float]] = {}
+    for s in summaries:
+        if s.engine == "duoserve" and "round" in s.extra:
+            by_key.setdefault((s.config, s.workload, s.mode), {})[s.extra["round"]] = s.output_tok_s
+    rows = []
+    for (config, workload, mode), rates in by_key.items():
+        base = by_key.get((baseline, workload, mode), {})
+        if config == baseline:
+            continue
+        values = [rate / base[r] for r, rate in sorted(rates.items()) if base.get(r)]
+        if not values:
+            continue
+        rows.append(
+            {
+                "config": config,
+                "workload": workload,
+                "mode": mode,
+                "rounds": len(values),
+                "ratios": values,
+                "mean": statistics.fmean(values),
+                "min": min(values),
+                "max": max(values),
+                "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "faster": sum(v > 1.0 for v in values),
+            }
+        )
+    return rows
+
+
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """How often duoserve's greedy outputs equal transformers' (exactly, and by common prefix)."""
     same, prefix = 0, 0.0
@@ -497,6 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, help=f"output tokens (default {FULL['output_len']})")
     p.add_argument("--rate", nargs="*", type=float, default=[], help="also run Poisson arrivals at R req/s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every config this many times, all servers up at once, in alternating order (ABBA...), "
+        "round r on prompts of seed+r; prints each config's throughput against the first's, paired by round",
+    )
     p.add_argument("--quick", action="store_true", help="smoke-run sizes: 8 requests x 64 in x 16 out")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up")
     p.add_argument("--transformers", action="store_true", help="also run transformers generate per dtype")
@@ -527,7 +570,12 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds > 1 and args.server:
+        parser.error("--rounds launches its servers side by side; it does not take --server")
     resolve_sizes(args)
     command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/serving.py", *argv])])
     print(f"# command: {command}", flush=True)
@@ -546,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     infos: dict[str, Any] = {}
     duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (dtype, workload) -> outputs
     print_header()
-    for config in [] if args.transformers_only else configs:
+    for config in [] if args.transformers_only or args.rounds > 1 else configs:
         with contextlib.ExitStack() as stack:
             if args.server:
                 target, metrics_url = args.server, args.metrics_url
@@ -560,6 +608,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             duo_outputs.setdefault((info["dtype"], name), ids)
         if args.server:
             break
+    paired: list[dict[str, Any]] = []
+    if args.rounds > 1 and not args.transformers_only:
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(launched_server(config, args, log_dir)) for config in configs]
+            for round_index in range(args.rounds):
+                prompts_of_round = workloads if round_index == 0 else {
+                    name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len,
+                                         args.seed + round_index)
+                    for name in args.workloads
+                }  # fmt: skip
+                order = list(range(len(configs)))
+                for index in order if round_index % 2 == 0 else order[::-1]:
+                    target, metrics_url = servers[index]
+                    print(f"# round {round_index + 1} of {args.rounds}: {configs[index].label}", flush=True)
+                    runs, info, served_outputs = bench_server(
+                        target, configs[index].label, args, prompts_of_round, specs, metrics_url
+                    )
+                    for run in runs:
+                        run.extra["round"] = round_index
+                    summaries += runs
+                    infos[configs[index].label] = info
+                    if round_index == 0:
+                        for name, ids in served_outputs.items():
+                            duo_outputs.setdefault((info["dtype"], name), ids)
+        paired = paired_ratios(summaries, configs[0].label)
+        print(f"\n# output tok/s against {configs[0].label}, paired by round")
+        for row in paired:
+            print(
+                f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} mean {row['mean']:.3f}x "
+                f"(min {row['min']:.3f}, max {row['max']:.3f}, sd {row['sd']:.3f}; "
+                f"{row['faster']} of {row['rounds']} rounds faster)",
+                flush=True,
+            )
 
     agreement = {}
     if args.transformers or args.transformers_only:
@@ -596,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "runs": [dataclasses.asdict(s) for s in summaries],
             "ratios": ratios(summaries),
             "greedy_agreement": agreement,
+            "paired_by_round": paired,
         }
         args.json.write_text(json.dumps(record, indent=2))
         print(f"# wrote {args.json}")

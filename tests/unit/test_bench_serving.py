@@ -1,0 +1,67 @@
+"""bench/serving.py's paired comparison of configs over rounds (--rounds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import serving
+
+
+def _run(config: str, workload: str, round_index: int, tok_s: float) -> serving.RunSummary:
+    return serving.RunSummary(
+        engine="duoserve", config=config, dtype="bfloat16", workload=workload, mode="offline",
+        num_requests=1, completed=1, errors=0, input_tokens=1, output_tokens=1, wall_s=1.0,
+        output_tok_s=tok_s, total_tok_s=tok_s, extra={"round": round_index},
+    )  # fmt: skip
+
+
+def test_each_config_is_compared_with_the_baseline_of_the_same_round() -> None:
+    runs = [
+        _run("sbo", "random", 0, 100.0),
+        _run("no-sbo", "random", 0, 110.0),
+        _run("no-sbo", "random", 1, 90.0),
+        _run("sbo", "random", 1, 100.0),
+        _run("sbo", "single", 0, 20.0),
+        _run("no-sbo", "single", 0, 20.0),
+        _run("no-sbo", "single", 1, 30.0),  # its round's baseline is missing: not compared
+    ]
+    rows = {row["workload"]: row for row in serving.paired_ratios(runs, "sbo")}
+    assert set(rows) == {"random", "single"}
+    random_row = rows["random"]
+    assert random_row["config"] == "no-sbo" and random_row["rounds"] == 2
+    assert random_row["ratios"] == pytest.approx([1.1, 0.9])
+    assert random_row["mean"] == pytest.approx(1.0)
+    assert (random_row["min"], random_row["max"]) == pytest.approx((0.9, 1.1))
+    assert random_row["sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert random_row["faster"] == 1
+    assert rows["single"]["ratios"] == pytest.approx([1.0])
+    assert rows["single"]["faster"] == 0 and rows["single"]["sd"] == 0.0
+
+
+def test_runs_outside_rounds_and_transformers_runs_are_left_out() -> None:
+    plain = _run("no-sbo", "random", 0, 50.0)
+    plain.extra = {}
+    theirs = _run("sbo", "random", 0, 10.0)
+    theirs.engine = "transformers"
+    assert serving.paired_ratios([plain, theirs, _run("sbo", "random", 0, 100.0)], "sbo") == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--rounds", "2", "--server", "localhost:1"], "does not take --server"),
+    ],
+)
+def test_bad_rounds_are_refused_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        serving.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
