@@ -7,6 +7,7 @@ back in the order of the caller's chunks (those with `needs_logits`), via `logit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -188,6 +189,48 @@ def select_decode_rows(batch: ForwardBatch, rows: np.ndarray, table_width: int) 
             key_mask=torch.from_numpy(np.ascontiguousarray(decode.key_mask.numpy()[rows, ..., :max_context])),
         ),
         prefills=(),
+    )
+
+
+def upload_batch(
+    batch: ForwardBatch, device: torch.device | str, upload: Upload | None = None
+) -> ForwardBatch:
+    """`batch`, built on the host, with every tensor moved to `device` through `upload` (as
+    build_forward_batch would have moved it): a forecast staged on the host, taken on a GPU."""
+    if upload is None:
+        upload = functools.partial(_to_device, device=device)
+
+    def put(tensor: torch.Tensor) -> torch.Tensor:
+        return upload(tensor.numpy(), tensor.dtype)
+
+    def put_optional(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else put(tensor)
+
+    decode = batch.decode
+    return dataclasses.replace(
+        batch,
+        input_ids=put(batch.input_ids),
+        positions=put(batch.positions),
+        slot_mapping=put(batch.slot_mapping),
+        logits_indices=put(batch.logits_indices),
+        query_start_loc=put(batch.query_start_loc),
+        context_lens=put(batch.context_lens),
+        block_tables=put(batch.block_tables),
+        decode=None
+        if decode is None
+        else dataclasses.replace(
+            decode,
+            block_tables=put(decode.block_tables),
+            context_lens=put(decode.context_lens),
+            key_blocks=put(decode.key_blocks),
+            key_mask=put(decode.key_mask),
+        ),
+        prefills=tuple(
+            dataclasses.replace(
+                prefill, key_slots=put_optional(prefill.key_slots), mask=put_optional(prefill.mask)
+            )
+            for prefill in batch.prefills
+        ),
     )
 
 

@@ -1,4 +1,4 @@
-"""The next step, staged while the current one computes (CPU SBO).
+"""The next step, staged while the current one computes (SBO; on a GPU, a long prompt's next window).
 
 A sequence is in at most one in-flight batch, and with the CPU's one decode lane the scheduler
 sends step k+1 only after step k's result: the message that SBO would stage during step k does
@@ -23,6 +23,11 @@ When step k+1 arrives:
 What is left for after arrival is kept to a few byte comparisons and array writes: just after a
 forward pass has streamed the weights and the KV cache through the CPU's caches, every Python and
 torch operation runs several times slower than in a microbenchmark.
+
+On a GPU a step staged on arrival is staged while the other lane's step runs, so only a step that
+leaves a prompt unfinished is forecast (ModelRunner.forecast): a lone long prompt's next window
+is then built on the host while the device computes the current one, and a step taken from it is
+only copied to the device (batch.upload_batch), on the data stream with CUDA SBO.
 """
 
 from __future__ import annotations
@@ -233,6 +238,7 @@ def forecast_next_step(
         return None
     if (
         not batch.prefills
+        and batch.positions.device.type == "cpu"  # its arrays are read (a GPU's: build from chunks)
         and batch.decode is not None
         and batch.decode.num_seqs == len(sampled) == len(scheduled)
         and batch.chunk_order == tuple(range(len(sampled)))

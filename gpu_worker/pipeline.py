@@ -326,7 +326,9 @@ class StepPipeline:
     def _run_one_thread(self) -> None:
         """CUDA SBO without threads: launches return at once, so while the device computes step k
         this thread stages step k+1 (its inputs copied on the data stream) and launches it behind
-        step k. It answers each step as soon as its tokens are back, in order, and between
+        step k. Right after launching a step that leaves a prompt unfinished it builds the next
+        window on the host (ModelRunner.forecast), so that the window is only uploaded when the
+        scheduler sends it. It answers each step as soon as its tokens are back, in order, and between
         messages it looks for them without blocking. At most `sbo_depth` steps are launched and
         unanswered; with that many it waits for the oldest.
 
@@ -369,6 +371,8 @@ class StepPipeline:
             elif busy:
                 timings.ready_at = item.arrived_at
             self._execute(item, timings, deliver)
+            if not item.staged.urgent:
+                self.runner.forecast(item.staged)  # while the device computes it
 
     # ------------------------------------------------------------------ SBO on, threads
 

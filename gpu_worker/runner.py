@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch
+from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch, upload_batch
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forecast import Forecasts, forecast_next_step
 from gpu_worker.kv_cache import KVCache
@@ -152,11 +152,13 @@ class ModelRunner:
         ready = None
         if taken is not None:
             batch, sampled, scheduled, spent = taken.batch, taken.sampled, taken.scheduled, taken.seconds
+            if self.device.type != "cpu":  # forecasts are built on the host
+                batch, ready = self._upload(batch, step.lane)
         else:
             try:
                 batch, sampled, scheduled, ready = self._stage_in_full(step)
             finally:
-                if self.forecasts:  # never on CUDA or without SBO: nothing to look up
+                if self.forecasts:  # none filed without SBO: nothing to look up
                     self.forecasts.drop_touching(_seq_ids_of(step))
             spent = 0.0
         return StagedStep(
@@ -175,15 +177,29 @@ class ModelRunner:
 
     def forecast(self, staged: StagedStep) -> None:
         """Build the step likely to follow `staged` (see gpu_worker/forecast.py), for `stage`
-        to take when it comes. CPU only, and only worth it while the step computes: SBO's staging
-        thread calls it right after staging a step."""
-        if self.device.type != "cpu":
+        to take when it comes. Only worth it while the step computes: SBO calls it right after
+        staging (CPU) or launching (GPU) a step. On a GPU a step staged on arrival is already
+        hidden behind the other lane's step; what nothing hides there is the next window of a
+        lone long prompt, so only a step leaving a prompt unfinished is forecast."""
+        if self.device.type != "cpu" and len(staged.sampled) == len(staged.scheduled):
             return
         forecast = forecast_next_step(
             staged.batch, staged.scheduled, staged.sampled, staged.sampled_tokens, self.block_size
         )
         if forecast is not None:
             self.forecasts.add(forecast)
+
+    def _upload(
+        self, batch: ForwardBatch | None, lane: int
+    ) -> tuple[ForwardBatch | None, torch.cuda.Event | None]:
+        """A host-built batch on the device: with CUDA SBO copied on the data stream, with the
+        event after which its copies have landed."""
+        if batch is None:
+            return None, None
+        if self.streams is None:
+            return upload_batch(batch, self.device), None
+        upload = DeviceUpload(self.streams, self.streams.for_lane(lane))
+        return upload_batch(batch, self.device, upload), upload.ready()
 
     def _stage_in_full(
         self, step: worker_pb2.Step

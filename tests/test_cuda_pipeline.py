@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.batch import ScheduledChunk, build_forward_batch, upload_batch
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, replayable
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig
@@ -23,6 +23,7 @@ from gpu_worker.streams import CudaStreams
 from gpu_worker.worker import make_attention
 from tests.worker_steps import (
     TWO_LANES,
+    SchedulerScript,
     cpu_runner,
     decode_step,
     prompt_step,
@@ -69,6 +70,44 @@ def test_build_forward_batch_sends_every_array_through_the_upload_hook() -> None
         assert torch.equal(getattr(hooked, name), getattr(plain, name)), name
 
 
+def test_a_host_built_batch_goes_to_the_device_whole_through_the_upload_hook() -> None:
+    """upload_batch (a forecast taken on a GPU): every tensor of the batch and of its attention
+    metadata goes through the hook, with its dtype and values."""
+    chunks = [
+        ScheduledChunk([5], 20, [0, 1], True),
+        ScheduledChunk([9], 3, [4], True),
+        ScheduledChunk([1, 2, 3], 16, [2, 3], False),  # a window behind a cached prefix
+        ScheduledChunk([4, 5], 0, [5], True),  # a whole prompt: no key slots, no mask
+    ]
+    host = build_forward_batch(chunks, BLOCK_SIZE, "cpu")
+    seen: list[int] = []
+
+    def upload(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        seen.append(array.size)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(dtype).clone()
+
+    moved = upload_batch(host, "cpu", upload)
+    assert len(seen) == 13  # 7 batch tensors, 4 decode, 2 for the window's cached prefix
+    names = ("input_ids", "positions", "slot_mapping", "logits_indices", "query_start_loc", "context_lens")
+    pairs = [(getattr(moved, name), getattr(host, name)) for name in (*names, "block_tables")]
+    assert moved.decode is not None and host.decode is not None
+    assert moved.decode.num_seqs == 2 and moved.decode.max_context == host.decode.max_context
+    for name in ("block_tables", "context_lens", "key_blocks", "key_mask"):
+        pairs.append((getattr(moved.decode, name), getattr(host.decode, name)))
+    window, prompt = moved.prefills
+    assert window.key_slots is not None and window.mask is not None
+    assert host.prefills[0].key_slots is not None and host.prefills[0].mask is not None
+    pairs += [(window.key_slots, host.prefills[0].key_slots), (window.mask, host.prefills[0].mask)]
+    assert prompt.key_slots is None and prompt.mask is None
+    for ours, theirs in pairs:
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+        assert ours.data_ptr() != theirs.data_ptr()  # a copy, as a device's would be
+    assert moved.chunk_order == host.chunk_order and moved.block_size == host.block_size
+    assert [(p.token_start, p.num_tokens, p.start_position) for p in moved.prefills] == [
+        (p.token_start, p.num_tokens, p.start_position) for p in host.prefills
+    ]
+
+
 @pytest.mark.parametrize("one_thread", [True, False])
 def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]], one_thread: bool
@@ -84,11 +123,11 @@ def test_the_sbo_pipeline_serves_two_lanes_as_the_plain_runner_would(
     assert tokens == expected
     assert len(results) == 2 * 13
     assert all(r.staging_seconds > 0 and 0 <= r.exposed_staging_seconds <= r.staging_seconds for r in results)
-    # The staging thread forecasts each lane's next step while one computes (every prompt ended,
-    # so every step's sequences sample): all 24 decode steps come from forecasts. The one-thread
-    # loop is CUDA's, where the device computes while the thread stages: it forecasts nothing.
+    # Both loops forecast each lane's next step while one computes (every prompt ended, so every
+    # step's sequences sample): all 24 decode steps come from forecasts. (On a GPU the one-thread
+    # loop forecasts only steps that leave a prompt unfinished: see the gpu tests below.)
     by_step = sorted(results, key=lambda r: r.step_id)
-    assert [r.forecast for r in by_step] == [False] * 2 + [not one_thread] * 24
+    assert [r.forecast for r in by_step] == [False] * 2 + [True] * 24
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,3 +286,47 @@ def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
         "step, staging, exposed: "
         f"{[(r.step_id, r.staging_seconds, r.exposed_staging_seconds) for r in results[:8]]}"
     )
+
+
+def windows_then_decodes(runner: ModelRunner, plain: ModelRunner, block_size: int) -> list[bool]:
+    """A 100-token prompt in windows of 32 (32, 32, 32, 4), then three decodes, on `runner` as the
+    one-thread SBO loop runs it (forecast right after each launch, reply once the tokens land) and
+    on `plain` in lockstep: every step's tokens must agree. Which steps came from forecasts."""
+    script = SchedulerScript(block_size)
+    steps = [script.prompt_step({7: 100}, chunk=32)]
+    forecast = []
+    for index in range(7):
+        if index:
+            seq = script.seqs[7]
+            steps.append(
+                script.step([script.window(7, min(32, 100 - seq.computed))])
+                if seq.computed < 100
+                else script.step(script.decode_entries([7]))
+            )
+        staged = runner.stage(steps[-1])
+        pending = runner.execute(staged)
+        runner.forecast(staged)  # while the device computes the step
+        result = runner.finish(pending)
+        expected = plain.run(plain.stage(steps[-1]))
+        assert tokens_of(result) == tokens_of(expected), index
+        script.take_tokens(result)
+        forecast.append(staged.forecast)
+    return forecast
+
+
+@pytest.mark.gpu
+def test_cuda_sbo_takes_a_long_prompts_next_window_from_the_host_forecast(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    """The next window of a lone long prompt is built on the host while the current one computes,
+    and taken (copied on the data stream) when the scheduler sends it; decodes are staged on
+    arrival. Greedy tokens are the plain runner's."""
+    model, _ = cuda_model(tiny)
+    device = torch.device("cuda")
+
+    def runner(**kwargs: object) -> ModelRunner:
+        kv = allocate_kv_cache(tiny[0], 256, BLOCK_SIZE, torch.float32, device)
+        return ModelRunner(model, kv, BLOCK_SIZE, device, **kwargs)  # type: ignore[arg-type]
+
+    sbo = runner(streams=CudaStreams(device, compute_streams=1))
+    assert windows_then_decodes(sbo, runner(), BLOCK_SIZE) == [False, True, True, True, False, False, False]

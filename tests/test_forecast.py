@@ -9,18 +9,18 @@ not know.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 
+from gpu_worker import runner as runner_module
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.loader import ModelConfig
 from gpu_worker.runner import ModelRunner, StagedStep, StepError
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running
-from tests.worker_steps import GREEDY, cpu_runner, save_tiny_llama, tokens_of
+from tests.worker_steps import SchedulerScript, cpu_runner, save_tiny_llama, tokens_of
 
 pytest.importorskip("transformers")
 
@@ -30,86 +30,6 @@ BLOCK_SIZE = 8
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@dataclass(slots=True)
-class Seq:
-    tokens: list[int]
-    blocks: list[int]
-    computed: int = 0
-
-
-@dataclass(slots=True)
-class Script:
-    """The scheduler's side: sequences, their block tables (a block added only when needed) and steps."""
-
-    seqs: dict[int, Seq] = field(default_factory=dict)
-    next_block: int = 1  # block 0 stays free: the forecast's stand-in must never reach a kernel
-    step_id: int = 0
-
-    def blocks_for(self, count: int) -> list[int]:
-        blocks = list(range(self.next_block, self.next_block + count))
-        self.next_block += count
-        return blocks
-
-    def prompt_step(
-        self,
-        prompts: dict[int, int],
-        lane: int = 0,
-        chunk: int = 0,
-        running: list[RunningEntry] | None = None,
-    ) -> worker_pb2.Step:
-        """New sequences' prompts (their first `chunk` tokens when given), and `running` after them."""
-        self.step_id += 1
-        step = worker_pb2.Step(step_id=self.step_id, lane=lane)
-        for seq_id, length in prompts.items():
-            tokens = [(seq_id * 31 + 7 * i) % 250 + 3 for i in range(length)]
-            first = min(chunk or length, length)
-            seq = self.seqs[seq_id] = Seq(tokens, self.blocks_for(-(-first // BLOCK_SIZE)), first)
-            step.new_sequences.append(
-                worker_pb2.NewSequence(
-                    seq_id=seq_id,
-                    token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
-                    prompt_len=length,
-                    block_ids=np.asarray(seq.blocks, dtype="<i4").tobytes(),
-                    num_new_tokens=first,
-                    sampling=GREEDY,
-                )
-            )
-        if running:
-            step.running.CopyFrom(pack_running(running))
-            for entry in running:
-                self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
-        return step
-
-    def window(self, seq_id: int, length: int) -> RunningEntry:
-        """The next `length` tokens of a prompt, with the blocks they need."""
-        seq = self.seqs[seq_id]
-        needed = -(-(seq.computed + length) // BLOCK_SIZE)
-        entry = RunningEntry(seq_id, seq.computed, length, self.blocks_for(needed - len(seq.blocks)))
-        seq.computed += length
-        return entry
-
-    def decode_entries(self, seq_ids: list[int]) -> list[RunningEntry]:
-        """Each sequence's next decode, with a block added where its new token starts one."""
-        entries = []
-        for seq_id in seq_ids:
-            seq = self.seqs[seq_id]
-            position = len(seq.tokens) - 1
-            new = self.blocks_for(1) if position == len(seq.blocks) * BLOCK_SIZE else []
-            entries.append(RunningEntry(seq_id, position, 1, new))
-        return entries
-
-    def step(self, entries: list[RunningEntry], lane: int = 0, **fields: object) -> worker_pb2.Step:
-        self.step_id += 1
-        step = worker_pb2.Step(step_id=self.step_id, lane=lane, running=pack_running(entries), **fields)
-        for entry in entries:
-            self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
-        return step
-
-    def take_tokens(self, result: worker_pb2.StepResult) -> None:
-        for seq_id, token in tokens_of(result).items():
-            self.seqs[seq_id].tokens.append(token)
 
 
 def assert_same_batch(forecast: ForwardBatch | None, full: ForwardBatch | None) -> None:
@@ -150,7 +70,7 @@ class Lockstep:
     def __init__(self, tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
         self.forecasting = cpu_runner(tiny, "cpu", BLOCK_SIZE)
         self.plain = cpu_runner(tiny, "cpu", BLOCK_SIZE)
-        self.script = Script()
+        self.script = SchedulerScript(BLOCK_SIZE)
         self.last_order: list[int] = []  # the sequences the last step sampled, in order
         self.last_lane = 0
 
@@ -197,22 +117,22 @@ def test_decode_steps_come_from_the_forecast_across_block_boundaries(
     assert both.forecasting.seqs[3].block_table == both.plain.seqs[3].block_table
 
 
-def released(script: Script) -> worker_pb2.Step:
+def released(script: SchedulerScript) -> worker_pb2.Step:
     # The first: the forecast filed under it must go with it.
     entries = script.decode_entries([2, 3])
     return script.step(entries, released_seq_ids=np.asarray([1], dtype="<u8").tobytes())
 
 
-def joined(script: Script) -> worker_pb2.Step:
+def joined(script: SchedulerScript) -> worker_pb2.Step:
     return script.prompt_step({4: 6}, running=script.decode_entries([1, 2, 3]))
 
 
-def reordered(script: Script) -> worker_pb2.Step:
+def reordered(script: SchedulerScript) -> worker_pb2.Step:
     # Sequences 2 and 3 are at the same position: only their ids tell the orders apart.
     return script.step(script.decode_entries([1, 3, 2]))
 
 
-def block_ahead(script: Script) -> worker_pb2.Step:
+def block_ahead(script: SchedulerScript) -> worker_pb2.Step:
     entries = script.decode_entries([1, 2, 3])
     early = next(e for e in entries if not e.new_block_ids)
     entries[entries.index(early)] = RunningEntry(
@@ -221,11 +141,11 @@ def block_ahead(script: Script) -> worker_pb2.Step:
     return script.step(entries)
 
 
-def split(script: Script) -> worker_pb2.Step:
+def split(script: SchedulerScript) -> worker_pb2.Step:
     return script.step(script.decode_entries([2, 3]), lane=1)
 
 
-def urgent(script: Script) -> worker_pb2.Step:
+def urgent(script: SchedulerScript) -> worker_pb2.Step:
     return script.step(script.decode_entries([1, 2, 3]), urgent=True)
 
 
@@ -239,7 +159,7 @@ def start_three(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> Lockstep:
 
 @pytest.mark.parametrize("next_step", [released, reordered, split])
 def test_a_step_running_some_of_the_forecast_sequences_takes_their_rows(
-    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[SchedulerScript], worker_pb2.Step]
 ) -> None:
     both = start_three(tiny)
     assert both.run(next_step(both.script))  # the batch checked against the full staging's
@@ -253,7 +173,7 @@ def test_a_step_running_some_of_the_forecast_sequences_takes_their_rows(
 
 @pytest.mark.parametrize("next_step", [joined, block_ahead, urgent])
 def test_a_step_the_forecast_cannot_serve_is_staged_in_full(
-    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[Script], worker_pb2.Step]
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], next_step: Callable[[SchedulerScript], worker_pb2.Step]
 ) -> None:
     both = start_three(tiny)
     assert not both.run(next_step(both.script))
@@ -297,6 +217,51 @@ def test_a_lone_prompt_in_windows_and_a_window_of_another_length(
     assert both.decode([5])
 
 
+def test_off_the_host_only_a_prompt_going_on_in_windows_is_forecast_and_uploaded_when_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A runner whose device is not the CPU (the meta device here, a GPU in the worker) forecasts
+    only steps that leave a prompt unfinished. It builds the next window on the host from the
+    sequences (the step's own batch is on the device), and a window taken from it is what a full
+    staging builds, moved to the device whole. Decode-only steps are staged on arrival."""
+    off_host = ModelRunner(None, None, BLOCK_SIZE, torch.device("meta"))  # type: ignore[arg-type]
+    plain = ModelRunner(None, None, BLOCK_SIZE, torch.device("cpu"))  # type: ignore[arg-type]
+    uploaded: list[ForwardBatch] = []
+    upload_batch = runner_module.upload_batch
+
+    def spy(batch: ForwardBatch, device: torch.device, upload: object = None) -> ForwardBatch:
+        uploaded.append(batch)
+        return upload_batch(batch, device, upload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "upload_batch", spy)
+    script = SchedulerScript(BLOCK_SIZE)
+
+    def stage(step: worker_pb2.Step) -> tuple[StagedStep, StagedStep]:
+        staged = off_host.stage(step)
+        off_host.forecast(staged)
+        return staged, plain.stage(step)
+
+    first, _ = stage(script.prompt_step({5: 30}, chunk=12))
+    assert not first.forecast and first.batch is not None and first.batch.positions.device.type == "meta"
+    for length in (12, 6):  # the forecast window is as long as the last one, or what is left
+        staged, full = stage(script.step([script.window(5, length)]))
+        assert staged.forecast and staged.batch is not None
+        assert_same_batch(uploaded[-1], full.batch)
+        assert staged.batch.input_ids.device.type == staged.batch.block_tables.device.type == "meta"
+        assert all(
+            p.key_slots is not None and p.key_slots.device.type == "meta" for p in staged.batch.prefills
+        )
+    assert len(uploaded) == 2
+    # The last window ended the prompt; once its token is appended (finish), the decode that
+    # follows is staged on arrival, as on a GPU every decode-only step is.
+    assert [s.seq_id for s in staged.sampled] == [s.seq_id for s in full.sampled] == [5]
+    for state in (*staged.sampled, *full.sampled):
+        state.token_ids.append(7)
+    script.seqs[5].tokens.append(7)
+    decode, _ = stage(script.step(script.decode_entries([5])))
+    assert not decode.forecast and len(uploaded) == 2
+
+
 def test_a_step_the_worker_cannot_follow_fails_as_it_would_without_a_forecast(
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
@@ -320,7 +285,7 @@ def test_a_step_the_worker_cannot_follow_fails_as_it_would_without_a_forecast(
 
 def test_a_forecast_is_taken_once(tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     runner: ModelRunner = cpu_runner(tiny, "cpu", BLOCK_SIZE)
-    script = Script()
+    script = SchedulerScript(BLOCK_SIZE)
     script.take_tokens(runner.run(runner.stage(script.prompt_step({1: 5}))))
     first = script.step(script.decode_entries([1]))
     staged = runner.stage(first)

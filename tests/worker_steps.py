@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,84 @@ def two_lanes_through_pipeline(
         worker_side.close(linger=0)
     assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
     return tokens, results
+
+
+@dataclass(slots=True)
+class Seq:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerScript:
+    """The scheduler's side: sequences, their block tables (a block added only when needed) and steps."""
+
+    block_size: int
+    seqs: dict[int, Seq] = field(default_factory=dict)
+    next_block: int = 1  # block 0 stays free: the forecast's stand-in must never reach a kernel
+    step_id: int = 0
+
+    def blocks_for(self, count: int) -> list[int]:
+        blocks = list(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return blocks
+
+    def prompt_step(
+        self,
+        prompts: dict[int, int],
+        lane: int = 0,
+        chunk: int = 0,
+        running: list[RunningEntry] | None = None,
+    ) -> worker_pb2.Step:
+        """New sequences' prompts (their first `chunk` tokens when given), and `running` after them."""
+        self.step_id += 1
+        step = worker_pb2.Step(step_id=self.step_id, lane=lane)
+        for seq_id, length in prompts.items():
+            tokens = [(seq_id * 31 + 7 * i) % 250 + 3 for i in range(length)]
+            first = min(chunk or length, length)
+            seq = self.seqs[seq_id] = Seq(tokens, self.blocks_for(-(-first // self.block_size)), first)
+            step.new_sequences.append(
+                worker_pb2.NewSequence(
+                    seq_id=seq_id,
+                    token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
+                    prompt_len=length,
+                    block_ids=np.asarray(seq.blocks, dtype="<i4").tobytes(),
+                    num_new_tokens=first,
+                    sampling=GREEDY,
+                )
+            )
+        if running:
+            step.running.CopyFrom(pack_running(running))
+            for entry in running:
+                self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
+        return step
+
+    def window(self, seq_id: int, length: int) -> RunningEntry:
+        """The next `length` tokens of a prompt, with the blocks they need."""
+        seq = self.seqs[seq_id]
+        needed = -(-(seq.computed + length) // self.block_size)
+        entry = RunningEntry(seq_id, seq.computed, length, self.blocks_for(needed - len(seq.blocks)))
+        seq.computed += length
+        return entry
+
+    def decode_entries(self, seq_ids: list[int]) -> list[RunningEntry]:
+        """Each sequence's next decode, with a block added where its new token starts one."""
+        entries = []
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            position = len(seq.tokens) - 1
+            new = self.blocks_for(1) if position == len(seq.blocks) * self.block_size else []
+            entries.append(RunningEntry(seq_id, position, 1, new))
+        return entries
+
+    def step(self, entries: list[RunningEntry], lane: int = 0, **fields: object) -> worker_pb2.Step:
+        self.step_id += 1
+        step = worker_pb2.Step(step_id=self.step_id, lane=lane, running=pack_running(entries), **fields)
+        for entry in entries:
+            self.seqs[entry.seq_id].blocks.extend(entry.new_block_ids)
+        return step
+
+    def take_tokens(self, result: worker_pb2.StepResult) -> None:
+        for seq_id, token in tokens_of(result).items():
+            self.seqs[seq_id].tokens.append(token)
