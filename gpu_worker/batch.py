@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -197,41 +198,34 @@ def upload_batch(
 ) -> ForwardBatch:
     """`batch`, built on the host, with every tensor moved to `device` through `upload` (as
     build_forward_batch would have moved it): a forecast staged on the host, taken on a GPU."""
-    if upload is None:
-        upload = functools.partial(_to_device, device=device)
+    move: Upload = upload if upload is not None else functools.partial(_to_device, device=device)
 
-    def put(tensor: torch.Tensor) -> torch.Tensor:
-        return upload(tensor.numpy(), tensor.dtype)
+    def moved(record: _Record, names: tuple[str, ...]) -> _Record:
+        """`record` with its tensors `names` (None stays None) on the device."""
+        changes: dict[str, Any] = {}
+        for name in names:
+            tensor = getattr(record, name)
+            changes[name] = None if tensor is None else move(tensor.numpy(), tensor.dtype)
+        return dataclasses.replace(record, **changes)
 
-    def put_optional(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else put(tensor)
-
-    decode = batch.decode
     return dataclasses.replace(
-        batch,
-        input_ids=put(batch.input_ids),
-        positions=put(batch.positions),
-        slot_mapping=put(batch.slot_mapping),
-        logits_indices=put(batch.logits_indices),
-        query_start_loc=put(batch.query_start_loc),
-        context_lens=put(batch.context_lens),
-        block_tables=put(batch.block_tables),
-        decode=None
-        if decode is None
-        else dataclasses.replace(
-            decode,
-            block_tables=put(decode.block_tables),
-            context_lens=put(decode.context_lens),
-            key_blocks=put(decode.key_blocks),
-            key_mask=put(decode.key_mask),
-        ),
-        prefills=tuple(
-            dataclasses.replace(
-                prefill, key_slots=put_optional(prefill.key_slots), mask=put_optional(prefill.mask)
-            )
-            for prefill in batch.prefills
-        ),
+        moved(batch, _BATCH_TENSORS),
+        decode=None if batch.decode is None else moved(batch.decode, _DECODE_TENSORS),
+        prefills=tuple(moved(prefill, ("key_slots", "mask")) for prefill in batch.prefills),
     )
+
+
+_Record = TypeVar("_Record", ForwardBatch, DecodeAttention, PrefillAttention)
+_BATCH_TENSORS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "logits_indices",
+    "query_start_loc",
+    "context_lens",
+    "block_tables",
+)
+_DECODE_TENSORS = ("block_tables", "context_lens", "key_blocks", "key_mask")
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
