@@ -477,9 +477,9 @@ def paired_ratios(summaries: Sequence[RunSummary], baseline: str) -> list[dict[s
             by_key.setdefault((s.config, s.workload, s.mode), {})[s.extra["round"]] = s.output_tok_s
     rows = []
     for (config, workload, mode), rates in by_key.items():
-        base = by_key.get((baseline, workload, mode), {})
         if config == baseline:
             continue
+        base = by_key.get((baseline, workload, mode), {})
         values = [rate / base[r] for r, rate in sorted(rates.items()) if base.get(r)]
         if not values:
             continue
@@ -582,10 +582,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [ServerConfig.parse(text) for text in (args.configs or [f"dtype={args.dtype}"])]
     specs = workload_specs(args.num_requests, args.input_len, args.output_len)
     tokenizer = load_tokenizer(args.model)
-    workloads = {
-        name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len, args.seed)
-        for name in args.workloads
-    }
+
+    def prompts_of_seed(seed: int) -> dict[str, list[list[int]]]:
+        return {
+            name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len, seed)
+            for name in args.workloads
+        }
+
+    workloads = prompts_of_seed(args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="duoserve-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -593,6 +597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries: list[RunSummary] = []
     infos: dict[str, Any] = {}
     duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (dtype, workload) -> outputs
+
+    def keep(label: str, info: dict[str, Any], served_outputs: dict[str, list[list[int]]]) -> None:
+        """A server's ModelInfo, and its outputs where none of its dtype are kept yet."""
+        infos[label] = info
+        for name, ids in served_outputs.items():
+            duo_outputs.setdefault((info["dtype"], name), ids)
+
     print_header()
     for config in [] if args.transformers_only or args.rounds > 1 else configs:
         with contextlib.ExitStack() as stack:
@@ -603,9 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             label = f"server={args.server}" if args.server else config.label
             runs, info, served_outputs = bench_server(target, label, args, workloads, specs, metrics_url)
         summaries += runs
-        infos[label] = info
-        for name, ids in served_outputs.items():
-            duo_outputs.setdefault((info["dtype"], name), ids)
+        keep(label, info, served_outputs)
         if args.server:
             break
     paired: list[dict[str, Any]] = []
@@ -613,11 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             servers = [stack.enter_context(launched_server(config, args, log_dir)) for config in configs]
             for round_index in range(args.rounds):
-                prompts_of_round = workloads if round_index == 0 else {
-                    name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len,
-                                         args.seed + round_index)
-                    for name in args.workloads
-                }  # fmt: skip
+                prompts_of_round = workloads if round_index == 0 else prompts_of_seed(args.seed + round_index)
                 order = list(range(len(configs)))
                 for index in order if round_index % 2 == 0 else order[::-1]:
                     target, metrics_url = servers[index]
@@ -628,10 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for run in runs:
                         run.extra["round"] = round_index
                     summaries += runs
-                    infos[configs[index].label] = info
-                    if round_index == 0:
-                        for name, ids in served_outputs.items():
-                            duo_outputs.setdefault((info["dtype"], name), ids)
+                    keep(configs[index].label, info, served_outputs if round_index == 0 else {})
         paired = paired_ratios(summaries, configs[0].label)
         print(f"\n# output tok/s against {configs[0].label}, paired by round")
         for row in paired:
