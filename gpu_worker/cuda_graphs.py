@@ -113,7 +113,7 @@ class DecodeGraphs:
         num = batch.num_tokens
         return next((size for size in self.sizes if size >= num), None)
 
-    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:  # [S, vocab] float32
+    def run(self, batch: ForwardBatch, size: int) -> torch.Tensor:  # [S, vocab] in the model's dtype
         """Replay the graph of `size` (from `size_for`) on `batch`'s inputs."""
         assert batch.decode is not None
         num = batch.num_tokens

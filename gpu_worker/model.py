@@ -291,8 +291,9 @@ class LlamaModel(nn.Module):
         batch: ForwardBatch,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         yield_point: Callable[[], None] | None = None,
-    ) -> torch.Tensor:  # [S, vocab] float32
-        """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only.
+    ) -> torch.Tensor:  # [S, vocab] in the model's dtype
+        """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only,
+        in the model's dtype, as the head computes them (the sampler converts them where it must).
 
         `yield_point` is called between blocks (after each attention and each MLP block): the
         worker runs urgent steps there, on other sequences, while this one waits.
@@ -312,7 +313,7 @@ class LlamaModel(nn.Module):
             hidden = layer.mlp_block(hidden)
             yield_point()
         hidden = hidden.index_select(0, batch.logits_indices)  # [S, hidden]
-        return self.lm_head_linear(self.norm(hidden)).float()  # [S, vocab]
+        return self.lm_head_linear(self.norm(hidden))  # [S, vocab]
 
     def _forward_fused(
         self,
@@ -321,7 +322,7 @@ class LlamaModel(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         ops: FusedOps,
         yield_point: Callable[[], None] | None,
-    ) -> torch.Tensor:  # [S, vocab] float32
+    ) -> torch.Tensor:  # [S, vocab]
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         x = layers[0].input_layernorm(residual)
         stacked = self._run_decode_stack(layers, x, residual, batch, kv_caches, yield_point)
@@ -335,7 +336,7 @@ class LlamaModel(nn.Module):
                 )
                 if yield_point is not None:
                     yield_point()
-        return self.lm_head_linear(x.index_select(0, batch.logits_indices)).float()
+        return self.lm_head_linear(x.index_select(0, batch.logits_indices))
 
     def _run_decode_stack(
         self,

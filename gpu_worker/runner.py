@@ -286,7 +286,7 @@ class ModelRunner:
                 pending.started.record(stream)
                 if staged.ready is not None:
                     stream.wait_event(staged.ready)
-            logits = self._forward(staged.batch, slot, yield_point)  # [S, vocab] float32
+            logits = self._forward(staged.batch, slot, yield_point)  # [S, vocab] in the model's dtype
             pending.sampled = staged.sampled
             pending.sampled_tokens = staged.sampled_tokens
             rows = [

@@ -2,7 +2,8 @@
 
 `CpuFusedOps` offers what the Triton path offers on CUDA (kernels/fused_ops.py), with the same
 signatures and the same rounding, so the model's fused forward runs on either: residual add +
-RMSNorm, rotary embedding in place, SiLU-and-multiply, and the paged KV write. On the CPU each
+RMSNorm, rotary embedding in place, SiLU-and-multiply, and the paged KV write; and, for greedy
+sampling, each row's argmax read in the element type (no float32 copy of the logits first). On the CPU each
 torch op costs a dispatch and a pass over memory; a decoder layer's norms, rotary, activation
 and KV write were ~40 of them. Built per element type (float32, bfloat16) on first use
 (kernels/cpu_build.py).
@@ -30,6 +31,7 @@ _SIGNATURES = {
     "duoserve_silu_and_mul": [_P, _P, _I, _I, _INT],
     "duoserve_rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _INT],  # cos, sin tables
     "duoserve_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
 }
 
 
@@ -113,6 +115,17 @@ class CpuFusedOps:
         out = gate_up.new_empty(tokens, ffn)
         self._lib.duoserve_silu_and_mul(
             gate_up.data_ptr(), out.data_ptr(), tokens, ffn, torch.get_num_threads()
+        )
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [R, C] → [R] int64
+        """Each row's first largest element, as torch's `x.max(dim=-1).indices` (a NaN counts as
+        the largest value, -0 equals +0)."""
+        self._require_matrix(x, "x")
+        require(x.shape[1] > 0 and x.is_contiguous(), "x", x, "contiguous rows of at least one column")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._lib.duoserve_argmax_rows(
+            x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
         )
         return out
 

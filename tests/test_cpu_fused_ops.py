@@ -100,6 +100,29 @@ def test_write_kv_stores_rows_at_their_slots_and_skips_negative_ones(dtype: torc
         ops_for(dtype).write_kv(k, v, ours_k, ours_v, torch.tensor([0, 1, 2, 3, 24]))
 
 
+def _argmax_cases(rows: int, cols: int) -> list[torch.Tensor]:
+    """Rows of plain values, of many ties, with NaNs, and of signed zeros (a -0 first)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    plain = torch.randn(rows, cols, generator=gen)
+    ties = torch.randint(-2, 3, (rows, cols), generator=gen).float()
+    nans = torch.randn(rows, cols, generator=gen)
+    nans[torch.rand(rows, cols, generator=gen) < 0.05] = float("nan")
+    zeros = torch.zeros(rows, cols)
+    zeros[torch.rand(rows, cols, generator=gen) < 0.5] = -0.0
+    zeros[:, 0] = -0.0
+    return [plain, ties, nans, zeros, -plain.abs() - 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (3, 31), (2, 32), (5, 33), (64, 49152)])
+def test_argmax_picks_what_torch_max_picks(dtype: torch.dtype, rows: int, cols: int) -> None:
+    """First index on ties, the first NaN over any number, -0 equal to +0; row lengths around the
+    vector width (32 bfloat16 lanes) and the vocabulary's."""
+    for case in _argmax_cases(rows, cols):
+        x = case.to(dtype)
+        assert torch.equal(ops_for(dtype).argmax(x), x.float().max(dim=-1).indices)
+
+
 def test_launchers_reject_what_the_kernels_cannot_take() -> None:
     ops = ops_for(torch.bfloat16)
     with pytest.raises(ValueError, match="x"):
@@ -115,6 +138,10 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         )
     with pytest.raises(ValueError, match="gate_up"):
         ops.silu_and_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x"):
+        ops.argmax(torch.zeros(4, 6, dtype=torch.bfloat16).t())  # columns apart, not contiguous rows
+    with pytest.raises(ValueError, match="x"):
+        ops.argmax(torch.zeros(4, 0, dtype=torch.bfloat16))
     q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rotary_embedding(q, q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3))

@@ -27,6 +27,30 @@ def test_greedy_is_argmax_of_raw_logits() -> None:
     assert out.logprobs == [None] * 6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_in_the_models_dtype_sample_as_their_float32_copy(dtype: torch.dtype) -> None:
+    """The model hands the sampler its head's dtype: greedy rows take the argmax of those logits
+    as they are; penalties, draws and logprobs work on float32 copies. Every path gives what the
+    float32 logits (the same values) give."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(5, 4099, generator=gen) * 3).to(dtype)
+    logits[1, 100:140] = logits[1].max()  # a tie: the first index wins
+    wide = logits.float()
+    history = list(range(0, 4000, 7))
+    batches = [
+        [SamplingParams()] * 5,  # all greedy: the direct argmax
+        [SamplingParams(repetition_penalty=1.5, logprobs=3)] * 5,
+        [SamplingParams(), SamplingParams(temperature=0.8, top_k=50, seed=3)] * 2
+        + [SamplingParams(logprobs=0)],
+    ]
+    for params in batches:
+        rows = [SamplingRow(p, [1, 2], history) for p in params]
+        ours, reference = Sampler(seed=1).sample(logits, rows), Sampler(seed=1).sample(wide, rows)
+        assert ours.token_ids == reference.token_ids
+        assert ours.logprobs == reference.logprobs
+    assert Sampler().sample(logits, _rows([SamplingParams()] * 5)).token_ids[1] == 100
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 7.0])
 def test_top_k_one_is_greedy_at_any_temperature(temperature: float) -> None:
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(1))

@@ -103,3 +103,69 @@ void duoserve_write_kv(const elem_t *k, int64_t k_stride, const elem_t *v, int64
         memcpy(v_cache + slots[t] * row, v + t * v_stride, (size_t)row * sizeof(elem_t));
     }
 }
+
+/*
+ * out[r] = the index of row r's largest element (rows `cols` elements long, contiguous), the first
+ * one on ties, as torch's max(dim=-1).indices picks it; a NaN counts as larger than any number
+ * (the first NaN wins), and -0 equals +0. Greedy sampling reads the logits once, in their own
+ * element type, instead of converting them to float32 first.
+ */
+#if ELEM_BF16 && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* 32 bfloat16 values as unsigned keys in the same order: negatives flipped whole, positives above
+ * them, -0 as +0, every NaN at the top (0xffff). Lanes outside `live` are 0, below every key. */
+static inline __m512i order_keys(const elem_t *p, __mmask32 live)
+{
+    const __m512i bits = _mm512_maskz_loadu_epi16(live, p);
+    const __m512i flip = _mm512_or_si512(_mm512_srai_epi16(bits, 15), _mm512_set1_epi16((short)0x8000));
+    __m512i key = _mm512_maskz_mov_epi16(live, _mm512_xor_si512(bits, flip));
+    key = _mm512_mask_mov_epi16(key, _mm512_cmpeq_epi16_mask(bits, _mm512_set1_epi16((short)0x8000)),
+                                _mm512_set1_epi16((short)0x8000));
+    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi16(0x7fff));
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(magnitude, _mm512_set1_epi16(0x7f80)) & live;
+    return _mm512_mask_mov_epi16(key, nan, _mm512_set1_epi16((short)0xffff));
+}
+
+static int64_t row_argmax(const elem_t *x, int64_t cols)
+{
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t c = 0; c < cols; c += 32) {
+        const __mmask32 live = cols - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - c)) - 1u);
+        top = _mm512_max_epu16(top, order_keys(x + c, live));
+    }
+    /* The row's largest key, in every lane: fold the 32 lanes in halves. */
+    __m256i half = _mm256_max_epu16(_mm512_castsi512_si256(top), _mm512_extracti64x4_epi64(top, 1));
+    __m128i quarter = _mm_max_epu16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+    quarter = _mm_max_epu16(quarter, _mm_shuffle_epi32(quarter, _MM_SHUFFLE(1, 0, 3, 2)));
+    quarter = _mm_max_epu16(quarter, _mm_shuffle_epi32(quarter, _MM_SHUFFLE(2, 3, 0, 1)));
+    quarter = _mm_max_epu16(quarter, _mm_srli_epi32(quarter, 16));
+    const __m512i best = _mm512_set1_epi16((short)_mm_extract_epi16(quarter, 0));
+    for (int64_t c = 0; c < cols; c += 32) {
+        const __mmask32 live = cols - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - c)) - 1u);
+        const __mmask32 hit = _mm512_cmpeq_epi16_mask(order_keys(x + c, live), best) & live;
+        if (hit) return c + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: some lane holds the largest key */
+}
+#else
+static int64_t row_argmax(const elem_t *x, int64_t cols)
+{
+    int64_t index = 0;
+    float best = load(x[0]);
+    for (int64_t c = 1; c < cols && !__builtin_isnan(best); c++) {
+        const float v = load(x[c]);
+        if (__builtin_isnan(v) || v > best) {
+            best = v;
+            index = c;
+        }
+    }
+    return index;
+}
+#endif
+
+void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *out, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * cols, cols);
+}
