@@ -32,7 +32,8 @@ def torch_norm(weight: torch.Tensor, eps: float) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "cols"), [(1, 576), (7, 64), (300, 576)])
+# 40 columns: two 16-wide vectors and a tail of 8 elements.
+@pytest.mark.parametrize(("rows", "cols"), [(1, 576), (7, 64), (3, 40), (300, 576)])
 def test_add_rms_norm_and_rms_norm_match_the_torch_path(dtype: torch.dtype, rows: int, cols: int) -> None:
     gen = torch.Generator().manual_seed(rows + cols)
     x = torch.randn(rows, cols, generator=gen).to(dtype)
@@ -50,19 +51,21 @@ def test_add_rms_norm_and_rms_norm_match_the_torch_path(dtype: torch.dtype, rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 2048])
-def test_silu_and_mul_matches_the_torch_path(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "ffn"), [(1, 96), (5, 100), (2048, 96)])  # 100: a tail past the vectors
+def test_silu_and_mul_matches_the_torch_path(dtype: torch.dtype, rows: int, ffn: int) -> None:
     gen = torch.Generator().manual_seed(rows)
-    gate_up = (4 * torch.randn(rows, 2 * 96, generator=gen)).to(dtype)
+    gate_up = (4 * torch.randn(rows, 2 * ffn, generator=gen)).to(dtype)
     gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, -1e-3]).to(dtype)  # saturation and zero
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops_for(dtype).silu_and_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 257])
-def test_rotary_rotates_strided_q_and_k_in_place_like_the_torch_path(dtype: torch.dtype, tokens: int) -> None:
-    heads, kv_heads, head_dim = 9, 3, 64
+@pytest.mark.parametrize(("tokens", "head_dim"), [(1, 64), (3, 64), (257, 64), (5, 40)])  # 40: a tail
+def test_rotary_rotates_strided_q_and_k_in_place_like_the_torch_path(
+    dtype: torch.dtype, tokens: int, head_dim: int
+) -> None:
+    heads, kv_heads = 9, 3
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
