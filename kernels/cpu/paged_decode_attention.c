@@ -11,7 +11,8 @@
  * at once, so each block's rows are read front to back (about 10% faster once the cache no
  * longer fits the CPU's caches). Work items are shared out by OpenMP; the library links the
  * same libgomp as torch, so the kernel and torch's own ops use one thread pool. With AVX-512
- * (and block sizes in 16s, head_dim in 32s) scores and value sums take an intrinsics path.
+ * (and block sizes in 16s, head_dim in 32s) scores, the softmax and value sums take an
+ * intrinsics path.
  */
 #include <stdint.h>
 
@@ -123,8 +124,8 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
                         dot = _mm512_fmadd_ps(_mm512_load_ps(qf[h * GROUP + g] + c), load16(key + c), dot);
 #endif
                     dots[t] = dot;
-                    fetch_some(fetch);
                 }
+                fetch_some(fetch);
                 __m512 sums = sum16(dots);
                 if (DOT_BF16) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
                 _mm512_store_ps(scores[h * GROUP + g] + t0, _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), sums));
@@ -187,7 +188,7 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
 
 /* How many times block_scores and accumulate_values call fetch_some per block (for full blocks). */
 #if VECTOR_PATH
-#define SCORE_CALLS(heads) ((heads) * GROUP * BLOCK)
+#define SCORE_CALLS(heads) ((heads) * GROUP * (BLOCK / 16))
 #define VALUE_CALLS(heads) ((heads) * BLOCK)
 #else
 #define SCORE_CALLS(heads) BLOCK
@@ -222,6 +223,25 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
         fetch_cursor next_keys = fetch_start(next < 0 ? 0 : k_cache + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
         fetch_cursor next_values = fetch_start(next < 0 ? 0 : v_cache + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
         block_scores(q, qf, k_cache + block * BLOCK * ROW, ROW, heads, valid, scale, scores, &next_keys);
+#if VECTOR_PATH
+        for (int64_t g = 0; g < rows; g++) {
+            __m512 top = _mm512_set1_ps(running_max[g]);
+            for (int t = 0; t < BLOCK; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(scores[g] + t));
+            const float block_max = _mm512_reduce_max_ps(top);
+            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            const __m512 shift = _mm512_set1_ps(block_max);
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < BLOCK; t += 16) {
+                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), shift));
+                _mm512_store_ps(scores[g] + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(sum);
+            running_max[g] = block_max;
+            const __m512 factor = _mm512_set1_ps(rescale);
+            for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(acc[g] + i, _mm512_mul_ps(_mm512_load_ps(acc[g] + i), factor));
+        }
+#else
         for (int64_t g = 0; g < rows; g++) {
             float block_max = running_max[g];
             for (int t = 0; t < BLOCK; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
@@ -235,6 +255,7 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
             running_max[g] = block_max;
             for (int i = 0; i < HEAD_DIM; i++) acc[g][i] *= rescale;
         }
+#endif
         accumulate_values(v_cache + block * BLOCK * ROW, ROW, heads, valid, scores, acc, &next_values);
     }
     for (int64_t g = 0; g < rows; g++) {
