@@ -33,14 +33,16 @@ def test_pack_puts_each_pair_of_inputs_beside_its_output() -> None:
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 48, 63, 64, 65, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_a_float32_matmul(rows: int, with_bias: bool) -> None:
-    """Every count of row tiles (1-4 per pass, the last one partial) and passes past 64 rows."""
+@pytest.mark.parametrize("out_features", [96, 80])  # 6 or 5 strips of 16 columns: pairs, and one alone
+def test_kernel_matches_a_float32_matmul(rows: int, with_bias: bool, out_features: int) -> None:
+    """Every count of row tiles (1 or 2 per 32-row pass, the last one partial), several passes,
+    and strips taken in pairs with an odd one left."""
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 160, generator=gen).bfloat16()
-    bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
+    weight = torch.randn(out_features, 160, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     x = torch.randn(rows, 160, generator=gen).bfloat16()
     out = load_amx_linear()(x, pack(weight), bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     expected = reference(x, weight, bias)
     # float32 sums in another order, then one bfloat16 rounding (half an ulp: 2^-8 relative)
     torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-2)
