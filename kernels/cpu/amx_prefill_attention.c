@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "avx512.h"
 
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=32|64"
@@ -60,23 +61,6 @@ static void *grow_workspace(size_t bytes)
     return workspace;
 }
 
-/* exp(x) for x <= 0, 16 lanes: 2^n * p(f) as in elements.h's exp_nonpositive. */
-static inline __m512 exp16(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline __mmask16 first(int64_t lanes) { return lanes >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lanes) - 1u); }
 
 /* One row of scores s[0 .. seen): exp((s - max) * scale) as bfloat16 in prob[0 .. seen), zeros in
@@ -93,7 +77,7 @@ static float softmax_row(const float *s, uint16_t *prob, int64_t seen, int64_t e
     for (int64_t j = 0; j < end; j += 16) {
         __m512 e = _mm512_setzero_ps();
         if (j < seen)
-            e = _mm512_maskz_mov_ps(first(seen - j), exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift), factor)));
+            e = _mm512_maskz_mov_ps(first(seen - j), exp16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), shift), factor)));
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
         _mm256_storeu_si256((__m256i *)(prob + j), rounded);
         /* The sum of what the values are multiplied by: the rounded probabilities. */

@@ -28,7 +28,7 @@ static inline float silu(float x)
 }
 
 #if ELEM_BF16 && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "avx512.h"
 #define NATIVE_BF16 1
 /* 16 bfloat16 values as float32, and back rounded to nearest even (one instruction each way). */
 static inline __m512 load16_bf16(const elem_t *p)
@@ -40,6 +40,20 @@ static inline __m512 widen16_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512
 #else
 #define NATIVE_BF16 0
 #endif
+
+/* out = round(round(h * scale) * w) for one row h of `cols` elements (both norms' last pass). */
+static inline void write_normed(const elem_t *h, const elem_t *weight, elem_t *out, int64_t cols, float scale)
+{
+    int64_t c = 0;
+#if NATIVE_BF16
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; c + 16 <= cols; c += 16) {
+        const __m512 normed = widen16_bf16(round16_bf16(_mm512_mul_ps(load16_bf16(h + c), scale16)));
+        _mm256_storeu_si256((__m256i *)(out + c), round16_bf16(_mm512_mul_ps(normed, load16_bf16(weight + c))));
+    }
+#endif
+    for (; c < cols; c++) out[c] = store(round_elem(load(h[c]) * scale) * load(weight[c]));
+}
 
 /* residual[t] = x[t] + residual[t] (rounded); out[t] = round(round(h * rsqrt(mean(h^2) + eps)) * w). */
 void duoserve_add_rms_norm(const elem_t *x, elem_t *residual, const elem_t *weight, elem_t *out, int64_t rows,
@@ -67,16 +81,7 @@ void duoserve_add_rms_norm(const elem_t *x, elem_t *residual, const elem_t *weig
             res[c] = store(h);
             squares += h * h;
         }
-        const float scale = 1.0f / sqrtf(squares / (float)cols + eps);
-        c = 0;
-#if NATIVE_BF16
-        const __m512 scale16 = _mm512_set1_ps(scale);
-        for (; c + 16 <= cols; c += 16) {
-            const __m512 normed = widen16_bf16(round16_bf16(_mm512_mul_ps(load16_bf16(res + c), scale16)));
-            _mm256_storeu_si256((__m256i *)(o + c), round16_bf16(_mm512_mul_ps(normed, load16_bf16(weight + c))));
-        }
-#endif
-        for (; c < cols; c++) o[c] = store(round_elem(load(res[c]) * scale) * load(weight[c]));
+        write_normed(res, weight, o, cols, 1.0f / sqrtf(squares / (float)cols + eps));
     }
 }
 
@@ -90,16 +95,7 @@ void duoserve_rms_norm(const elem_t *x, const elem_t *weight, elem_t *out, int64
         elem_t *o = out + r * cols;
         float squares = 0.0f;
         for (int64_t c = 0; c < cols; c++) squares += load(xr[c]) * load(xr[c]);
-        const float scale = 1.0f / sqrtf(squares / (float)cols + eps);
-        int64_t c = 0;
-#if NATIVE_BF16
-        const __m512 scale16 = _mm512_set1_ps(scale);
-        for (; c + 16 <= cols; c += 16) {
-            const __m512 normed = widen16_bf16(round16_bf16(_mm512_mul_ps(load16_bf16(xr + c), scale16)));
-            _mm256_storeu_si256((__m256i *)(o + c), round16_bf16(_mm512_mul_ps(normed, load16_bf16(weight + c))));
-        }
-#endif
-        for (; c < cols; c++) o[c] = store(round_elem(load(xr[c]) * scale) * load(weight[c]));
+        write_normed(xr, weight, o, cols, 1.0f / sqrtf(squares / (float)cols + eps));
     }
 }
 
@@ -109,19 +105,7 @@ static inline __m512 silu16(__m512 x)
 {
     const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 minus_abs = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), negative, x);
-    const __m512 clamped = _mm512_max_ps(minus_abs, _mm512_set1_ps(-87.0f));
-    const __m512 y = _mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(y, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+    const __m512 e = exp16_nonpositive(minus_abs); /* exp(-|x|) */
     const __m512 numerator = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), negative, e);
     return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 }
