@@ -14,6 +14,7 @@
  * (and block sizes in 16s, head_dim in 32s) scores, the softmax and value sums take an
  * intrinsics path.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "elements.h"
@@ -201,7 +202,8 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
  * blocks are then read row by row front to back). Each head's arithmetic is the same either way.
  */
 static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
-                   int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale)
+                   int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale,
+                   const int32_t *then_table)
 {
     const int64_t rows = heads * GROUP; /* query heads */
     float qf[MAX_HEADS_PER_ITEM * GROUP][HEAD_DIM] __attribute__((aligned(64)));
@@ -219,7 +221,9 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
     for (int64_t start = 0; start < context_len; start += BLOCK) {
         const int64_t block = table[start / BLOCK];
         const int64_t valid = context_len - start < BLOCK ? context_len - start : BLOCK;
-        const int64_t next = start + BLOCK < context_len ? table[start / BLOCK + 1] : -1;
+        /* The block after this one: the sequence's next, or after its last the first of the
+         * sequence this thread takes next (`then_table`, or NULL). */
+        const int64_t next = start + BLOCK < context_len ? table[start / BLOCK + 1] : then_table ? then_table[0] : -1;
         fetch_cursor next_keys = fetch_start(next < 0 ? 0 : k_cache + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
         fetch_cursor next_values = fetch_start(next < 0 ? 0 : v_cache + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
         block_scores(q, qf, k_cache + block * BLOCK * ROW, ROW, heads, valid, scale, scores, &next_keys);
@@ -277,10 +281,20 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
     const int64_t num_heads = num_kv_heads * GROUP;
     if (num_kv_heads <= MAX_HEADS_PER_ITEM && num_seqs >= 4 * num_threads) {
         /* Enough sequences to share out whole: read each one's rows front to back. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t seq = 0; seq < num_seqs; seq++)
-            attend(q + seq * num_heads * HEAD_DIM, k_cache, v_cache, block_tables + seq * max_blocks,
-                   context_lens[seq], out + seq * num_heads * HEAD_DIM, num_kv_heads, num_kv_heads, scale);
+        /* Shared out one at a time, as schedule(dynamic, 1) would, but each thread takes its next
+         * sequence before it starts the current one, so its last block prefetches the next one's first. */
+        int64_t taken = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t seq = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            while (seq < num_seqs) {
+                const int64_t then = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+                attend(q + seq * num_heads * HEAD_DIM, k_cache, v_cache, block_tables + seq * max_blocks,
+                       context_lens[seq], out + seq * num_heads * HEAD_DIM, num_kv_heads, num_kv_heads, scale,
+                       then < num_seqs ? block_tables + then * max_blocks : NULL);
+                seq = then;
+            }
+        }
         return;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -288,6 +302,7 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t head0 = seq * num_heads + kv_head * GROUP;
         attend(q + head0 * HEAD_DIM, k_cache + kv_head * HEAD_DIM, v_cache + kv_head * HEAD_DIM,
-               block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads, 1, scale);
+               block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads, 1, scale,
+               NULL);
     }
 }
