@@ -136,7 +136,7 @@ def build_forward_batch(
 
     decode = None
     if num_decodes:
-        decode = _decode_attention(tables[:num_decodes], ctx_o[:num_decodes], block_size, upload)
+        decode = decode_attention(tables[:num_decodes], ctx_o[:num_decodes], block_size, upload)
     prefills = tuple(
         _prefill_attention(
             int(query_start[n]), int(lens_o[n]), int(starts_o[n]), tables[n], block_size, upload
@@ -162,15 +162,11 @@ def select_decode_rows(batch: ForwardBatch, rows: np.ndarray, table_width: int) 
     """Rows `rows` of a decode-only CPU `batch`, in that order, laid out as build_forward_batch lays
     out those sequences: block tables `table_width` wide (their longest table), attention metadata
     as wide as their longest context. Indexes numpy views: cheaper than torch ops per tensor."""
-    decode = batch.decode
-    assert decode is not None and not batch.prefills, "select_decode_rows takes a decode-only batch"
+    assert batch.decode is not None and not batch.prefills, "select_decode_rows takes a decode-only batch"
     assert len(rows) > 0 and table_width >= 1, f"{len(rows)} rows, table width {table_width}"
     count = len(rows)
     context_lens = batch.context_lens.numpy()[rows]  # [n] int32
-    num_blocks = -(-int(context_lens.max()) // batch.block_size)
-    max_context = num_blocks * batch.block_size
     tables = np.ascontiguousarray(batch.block_tables.numpy()[rows, :table_width])  # [n, W] int32
-    decode_tables = np.ascontiguousarray(tables[:, :num_blocks])  # [n, num_blocks]
     return ForwardBatch(
         input_ids=torch.from_numpy(batch.input_ids.numpy()[rows]),
         positions=torch.from_numpy(batch.positions.numpy()[rows]),
@@ -181,14 +177,7 @@ def select_decode_rows(batch: ForwardBatch, rows: np.ndarray, table_width: int) 
         block_tables=torch.from_numpy(tables),
         chunk_order=tuple(range(count)),
         block_size=batch.block_size,
-        decode=DecodeAttention(
-            num_seqs=count,
-            max_context=max_context,
-            block_tables=torch.from_numpy(decode_tables),
-            context_lens=torch.from_numpy(context_lens.copy()),
-            key_blocks=torch.from_numpy(decode_tables.reshape(-1).astype(np.int64)),
-            key_mask=torch.from_numpy(np.ascontiguousarray(decode.key_mask.numpy()[rows, ..., :max_context])),
-        ),
+        decode=decode_attention(tables, context_lens.copy(), batch.block_size),
         prefills=(),
     )
 
@@ -200,32 +189,23 @@ def upload_batch(
     build_forward_batch would have moved it): a forecast staged on the host, taken on a GPU."""
     move: Upload = upload if upload is not None else functools.partial(_to_device, device=device)
 
-    def moved(record: _Record, names: tuple[str, ...]) -> _Record:
-        """`record` with its tensors `names` (None stays None) on the device."""
+    def moved(record: _Record) -> _Record:
+        """`record` with each of its tensor fields on the device (None stays None)."""
         changes: dict[str, Any] = {}
-        for name in names:
-            tensor = getattr(record, name)
-            changes[name] = None if tensor is None else move(tensor.numpy(), tensor.dtype)
+        for field in dataclasses.fields(record):
+            value = getattr(record, field.name)
+            if isinstance(value, torch.Tensor):
+                changes[field.name] = move(value.numpy(), value.dtype)
         return dataclasses.replace(record, **changes)
 
     return dataclasses.replace(
-        moved(batch, _BATCH_TENSORS),
-        decode=None if batch.decode is None else moved(batch.decode, _DECODE_TENSORS),
-        prefills=tuple(moved(prefill, ("key_slots", "mask")) for prefill in batch.prefills),
+        moved(batch),
+        decode=None if batch.decode is None else moved(batch.decode),
+        prefills=tuple(moved(prefill) for prefill in batch.prefills),
     )
 
 
 _Record = TypeVar("_Record", ForwardBatch, DecodeAttention, PrefillAttention)
-_BATCH_TENSORS = (
-    "input_ids",
-    "positions",
-    "slot_mapping",
-    "logits_indices",
-    "query_start_loc",
-    "context_lens",
-    "block_tables",
-)
-_DECODE_TENSORS = ("block_tables", "context_lens", "key_blocks", "key_mask")
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -238,9 +218,14 @@ def _slots_of_positions(table: np.ndarray, positions: np.ndarray, block_size: in
     return blocks * block_size + positions % block_size
 
 
-def _decode_attention(
-    tables: np.ndarray, context_lens: np.ndarray, block_size: int, upload: Upload
+def decode_attention(
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int, upload: Upload | None = None
 ) -> DecodeAttention:
+    """Decode rows' attention metadata from their block tables ([D, >= blocks they use]) and
+    context lengths, through `upload` (default: CPU tensors, sharing the arrays where the dtype
+    already matches)."""
+    if upload is None:
+        upload = functools.partial(_to_device, device="cpu")
     num = len(context_lens)
     num_blocks = -(-int(context_lens.max()) // block_size)
     max_context = num_blocks * block_size

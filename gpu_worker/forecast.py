@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from gpu_worker.batch import (
-    DecodeAttention,
     ForwardBatch,
     ScheduledChunk,
     build_forward_batch,
+    decode_attention,
     select_decode_rows,
 )
 from protos import worker_pb2
@@ -333,29 +333,18 @@ def _next_decodes(
     tables[:, : old_tables.shape[1]] = old_tables
     slots = tables[np.arange(count), positions // size].astype(np.int64) * size + positions % size
     context_lens = (positions + 1).astype(np.int32)
-    num_blocks = -(-int(context_lens.max()) // size)
-    max_context = num_blocks * size
-    decode_tables = np.ascontiguousarray(tables[:, :num_blocks])
-    key_mask = np.arange(max_context)[None, :] < context_lens[:, None]  # [D, L]
-    context = torch.from_numpy(context_lens)
+    decode = decode_attention(tables, context_lens, size)
     forecast_batch = ForwardBatch(
         input_ids=torch.from_numpy(sampled_tokens),  # [D] int64, written by finish
         positions=torch.from_numpy(positions),
         slot_mapping=torch.from_numpy(slots),
         logits_indices=batch.logits_indices,
         query_start_loc=batch.query_start_loc,
-        context_lens=context,
+        context_lens=decode.context_lens,
         block_tables=torch.from_numpy(tables),
         chunk_order=batch.chunk_order,
         block_size=size,
-        decode=DecodeAttention(
-            num_seqs=count,
-            max_context=max_context,
-            block_tables=torch.from_numpy(decode_tables),
-            context_lens=context,
-            key_blocks=torch.from_numpy(decode_tables.reshape(-1).astype(np.int64)),
-            key_mask=torch.from_numpy(key_mask.reshape(count, 1, 1, max_context)),
-        ),
+        decode=decode,
         prefills=(),
     )
     expected = worker_pb2.RunningSequences(

@@ -8,7 +8,9 @@ not know.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,34 +36,29 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[st
 
 def assert_same_batch(forecast: ForwardBatch | None, full: ForwardBatch | None) -> None:
     assert forecast is not None and full is not None
-    for name in (
-        "input_ids",
-        "positions",
-        "slot_mapping",
-        "logits_indices",
-        "query_start_loc",
-        "context_lens",
-    ):
-        assert torch.equal(getattr(forecast, name), getattr(full, name)), name
-    assert torch.equal(forecast.block_tables, full.block_tables), (forecast.block_tables, full.block_tables)
-    assert forecast.chunk_order == full.chunk_order
-    assert len(forecast.prefills) == len(full.prefills)
-    for ours, theirs in zip(forecast.prefills, full.prefills, strict=True):
-        assert (ours.token_start, ours.num_tokens, ours.start_position) == (
-            theirs.token_start,
-            theirs.num_tokens,
-            theirs.start_position,
-        )
-        for name in ("key_slots", "mask"):
-            a, b = getattr(ours, name), getattr(theirs, name)
-            assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), name
-    assert (forecast.decode is None) == (full.decode is None)
-    if forecast.decode is None or full.decode is None:
-        return
-    assert forecast.decode.num_seqs == full.decode.num_seqs
-    assert forecast.decode.max_context == full.decode.max_context
-    for name in ("block_tables", "context_lens", "key_blocks", "key_mask"):
-        assert torch.equal(getattr(forecast.decode, name), getattr(full.decode, name)), name
+    assert_same_record(forecast, full, "batch")
+
+
+def assert_same_record(ours: Any, theirs: Any, where: str) -> None:
+    """Every field of two batch records equal: tensors element for element, the decode metadata
+    and each prefill's field by field, the rest by value."""
+    for field in dataclasses.fields(ours):
+        a, b, name = getattr(ours, field.name), getattr(theirs, field.name), f"{where}.{field.name}"
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b), (
+                name,
+                a,
+                b,
+            )
+        elif dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b):
+            assert dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b), (name, a, b)
+            assert_same_record(a, b, name)
+        elif field.name == "prefills":
+            assert len(a) == len(b), name
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert_same_record(x, y, f"{name}[{i}]")
+        else:
+            assert a == b, (name, a, b)
 
 
 class Lockstep:
