@@ -102,7 +102,7 @@ class Sampler:
         assert logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}"
         params = [r.params for r in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows and not any(_penalized(r.params) for r in rows):
+        if not random_rows and not any(_penalized(p) for p in params):
             return _argmax(logits)
         scores = apply_penalties(logits.float(), rows)  # [S, V]
         if not random_rows:

@@ -2,8 +2,9 @@
  * y = x @ w.T (+ bias) in bfloat16 on AMX tiles, for decode-sized batches (1 to 64 rows). Such a
  * product streams every weight once per step. Up to 16 rows the weights' arrival sets its time;
  * at 64 rows the tile loads and products add about as much again (skipping only x's tile loads,
- * for a timing, made the 64-row product a quarter faster). The weight is packed once (kernels/cpu_amx.py) into the tile layout, one contiguous strip of K
- * per 16 output columns, and OpenMP gives each thread whole strips.
+ * for a timing, made the 64-row product a quarter faster). The weight is packed once
+ * (kernels/cpu_amx.py) into the tile layout, one contiguous strip of K per 16 output columns,
+ * and OpenMP gives each thread whole strips.
  *
  * Strips go in pairs (a, b) and rows in passes of up to 32: per 32 columns of x, one load of
  * each strip's weights and of each row tile of x feeds four products, where a 64-row pass over
@@ -20,6 +21,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "avx512.h"
 
 /* A pass of `tiles` row tiles (1 or 2), the last of `tail` rows, over a pair of strips. */
 static void configure(int64_t tiles, int64_t tail)
@@ -39,7 +41,7 @@ static void configure(int64_t tiles, int64_t tail)
 static void store_rows(const float *c, int64_t rows, const uint16_t *bias, uint16_t *y, int64_t n, int64_t n0)
 {
     __m512 b = _mm512_setzero_ps();
-    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16));
+    if (bias) b = load16_bf16(bias + n0);
     for (int64_t r = 0; r < rows; r++)
         _mm256_storeu_si256((__m256i *)(y + r * n + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + r * 16), b)));
 }
@@ -56,7 +58,7 @@ void duoserve_amx_linear(const uint16_t *x_all, int64_t x_stride, const uint16_t
 #pragma omp parallel num_threads(num_threads)
     {
         float c[2][32 * 16] __attribute__((aligned(64)));
-        int64_t configured = -1;
+        int64_t configured_rows = -1; /* the pass size the tiles are configured for */
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < (strips + 1) / 2; pair++) {
             const int64_t first_strip = 2 * pair;
@@ -65,9 +67,9 @@ void duoserve_amx_linear(const uint16_t *x_all, int64_t x_stride, const uint16_t
             for (int64_t row0 = 0; row0 < rows_all; row0 += 32) {
                 const int64_t rows = rows_all - row0 < 32 ? rows_all - row0 : 32;
                 const int64_t tiles = (rows + 15) / 16, tail = rows - 16 * (tiles - 1);
-                if (tiles * 64 + tail != configured) {
+                if (rows != configured_rows) {
                     configure(tiles, tail);
-                    configured = tiles * 64 + tail;
+                    configured_rows = rows;
                 }
                 const uint16_t *x = x_all + row0 * x_stride;
                 const int64_t stride = x_stride * 2; /* bytes */

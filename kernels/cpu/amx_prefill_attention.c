@@ -81,7 +81,7 @@ static float softmax_row(const float *s, uint16_t *prob, int64_t seen, int64_t e
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
         _mm256_storeu_si256((__m256i *)(prob + j), rounded);
         /* The sum of what the values are multiplied by: the rounded probabilities. */
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        sum = _mm512_add_ps(sum, widen16_bf16(rounded));
     }
     return _mm512_reduce_add_ps(sum);
 }

@@ -5,6 +5,16 @@
 #define DUOSERVE_AVX512_H
 
 #include <immintrin.h>
+#include <stdint.h>
+
+/* 16 bfloat16 values (their bits) as float32: exact, a shift into the upper half. */
+static inline __m512 widen16_bf16(__m256i bits)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* The 16 bfloat16 values at p as float32. */
+static inline __m512 load16_bf16(const uint16_t *p) { return widen16_bf16(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* Lane j of the result is the sum of v[j]'s 16 lanes: 16 horizontal sums in one transposing tree. */
 static inline __m512 sum16(const __m512 v[16])

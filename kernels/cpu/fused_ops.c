@@ -30,13 +30,8 @@ static inline float silu(float x)
 #if ELEM_BF16 && defined(__AVX512BF16__)
 #include "avx512.h"
 #define NATIVE_BF16 1
-/* 16 bfloat16 values as float32, and back rounded to nearest even (one instruction each way). */
-static inline __m512 load16_bf16(const elem_t *p)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+/* 16 float32 values rounded to bfloat16, nearest even, in one instruction (avx512.h widens back). */
 static inline __m256i round16_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-static inline __m512 widen16_bf16(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 #else
 #define NATIVE_BF16 0
 #endif
@@ -203,11 +198,14 @@ static inline __m512i order_keys(const elem_t *p, __mmask32 live)
     return _mm512_mask_mov_epi16(key, nan, _mm512_set1_epi16((short)0xffff));
 }
 
+/* The first `lanes` of 32 (all of them from 32 on). */
+static inline __mmask32 first_lanes(int64_t lanes) { return lanes >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << lanes) - 1u); }
+
 static int64_t row_argmax(const elem_t *x, int64_t cols)
 {
     __m512i top = _mm512_setzero_si512();
     for (int64_t c = 0; c < cols; c += 32) {
-        const __mmask32 live = cols - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - c)) - 1u);
+        const __mmask32 live = first_lanes(cols - c);
         top = _mm512_max_epu16(top, order_keys(x + c, live));
     }
     /* The row's largest key, in every lane: fold the 32 lanes in halves. */
@@ -218,7 +216,7 @@ static int64_t row_argmax(const elem_t *x, int64_t cols)
     quarter = _mm_max_epu16(quarter, _mm_srli_epi32(quarter, 16));
     const __m512i best = _mm512_set1_epi16((short)_mm_extract_epi16(quarter, 0));
     for (int64_t c = 0; c < cols; c += 32) {
-        const __mmask32 live = cols - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (cols - c)) - 1u);
+        const __mmask32 live = first_lanes(cols - c);
         const __mmask32 hit = _mm512_cmpeq_epi16_mask(order_keys(x + c, live), best) & live;
         if (hit) return c + __builtin_ctz(hit);
     }

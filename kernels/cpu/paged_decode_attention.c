@@ -87,8 +87,7 @@ static inline void fetch_some(fetch_cursor *c)
 static inline __m512 load16(const elem_t *p)
 {
 #if ELEM_BF16
-    const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(widened, 16));
+    return load16_bf16(p);
 #else
     return _mm512_loadu_ps(p);
 #endif

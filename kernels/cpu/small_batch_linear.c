@@ -19,9 +19,7 @@
 
 static inline __m512 load_bias16(const uint16_t *bias)
 {
-    if (!bias) return _mm512_setzero_ps();
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return bias ? load16_bf16(bias) : _mm512_setzero_ps();
 }
 
 /*
