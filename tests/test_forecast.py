@@ -8,9 +8,7 @@ not know.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from gpu_worker.loader import ModelConfig
 from gpu_worker.runner import ModelRunner, StagedStep, StepError
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running
-from tests.worker_steps import SchedulerScript, cpu_runner, save_tiny_llama, tokens_of
+from tests.worker_steps import SchedulerScript, assert_same_record, cpu_runner, save_tiny_llama, tokens_of
 
 pytest.importorskip("transformers")
 
@@ -37,28 +35,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[st
 def assert_same_batch(forecast: ForwardBatch | None, full: ForwardBatch | None) -> None:
     assert forecast is not None and full is not None
     assert_same_record(forecast, full, "batch")
-
-
-def assert_same_record(ours: Any, theirs: Any, where: str) -> None:
-    """Every field of two batch records equal: tensors element for element, the decode metadata
-    and each prefill's field by field, the rest by value."""
-    for field in dataclasses.fields(ours):
-        a, b, name = getattr(ours, field.name), getattr(theirs, field.name), f"{where}.{field.name}"
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b), (
-                name,
-                a,
-                b,
-            )
-        elif dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b):
-            assert dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b), (name, a, b)
-            assert_same_record(a, b, name)
-        elif field.name == "prefills":
-            assert len(a) == len(b), name
-            for i, (x, y) in enumerate(zip(a, b, strict=True)):
-                assert_same_record(x, y, f"{name}[{i}]")
-        else:
-            assert a == b, (name, a, b)
 
 
 class Lockstep:

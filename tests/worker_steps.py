@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Callable
@@ -161,6 +162,29 @@ def two_lanes_through_pipeline(
         worker_side.close(linger=0)
     assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
     return tokens, results
+
+
+def assert_same_record(
+    ours: Any,
+    theirs: Any,
+    where: str,
+    same: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal,
+) -> None:
+    """Every field of two batch records equal: tensors by `same` (default: element for element),
+    the decode metadata and each prefill field by field, the rest by value."""
+    for field_ in dataclasses.fields(ours):
+        a, b, name = getattr(ours, field_.name), getattr(theirs, field_.name), f"{where}.{field_.name}"
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same(a, b), (name, a, b)
+        elif dataclasses.is_dataclass(a) or dataclasses.is_dataclass(b):
+            assert dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b), (name, a, b)
+            assert_same_record(a, b, name, same)
+        elif field_.name == "prefills":
+            assert len(a) == len(b), name
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                assert_same_record(x, y, f"{name}[{i}]", same)
+        else:
+            assert a == b, (name, a, b)
 
 
 @dataclass(slots=True)
