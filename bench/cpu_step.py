@@ -10,7 +10,7 @@ scheduler, gRPC and the client sharing the cores). It prints, medians of repeate
   linears (AMX or the small-batch kernel, and the one-call decode stack) and with oneDNN alone
   (`--no-small-batch-linear`'s path);
 - a prefill step of 8 whole 256-token prompts;
-- prefill steps (whole prompts, and a chunk behind a cached prefix) with and without the AMX
+- prefill steps (whole prompts, and a chunk behind a cached prefix) with and without the C
   prefill attention (kernels/cpu_prefill.py) and the MLP's SiLU as oneDNN post-ops
   (gpu_worker/linear.py's GateUpLinear), each config twice, interleaved;
 - the four linears of every layer at 1, 8, 16, 32, 64 and 128 rows: the AMX kernel (where the CPU
@@ -81,16 +81,16 @@ def model_steps(path: Path, own_linears: bool, repeats: int) -> dict[str, float]
     return out
 
 
-PREFILL_CONFIGS = {  # (AMX prefill attention, MLP SiLU as oneDNN post-ops)
-    "AMX attention + MLP post-ops": (True, True),
+PREFILL_CONFIGS = {  # (C prefill attention, MLP SiLU as oneDNN post-ops)
+    "C attention + MLP post-ops": (True, True),
     "torch SDPA + MLP post-ops": (False, True),
-    "AMX attention + fused SiLU op": (True, False),
+    "C attention + fused SiLU op": (True, False),
     "torch SDPA + fused SiLU op": (False, False),
 }
 
 
 def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Prefill steps with and without the AMX prefill attention and the MLP's oneDNN post-ops:
+    """Prefill steps with and without the C prefill attention (kernels/cpu_prefill.py) and the MLP's oneDNN post-ops:
     whole prompts, and a chunk behind a cached prefix. Each config runs twice, interleaved."""
     config, weights = load_model(path)
     cpu = torch.device("cpu")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
-from kernels.cpu_prefill import AmxPrefillAttention, Chunk, PrefillPlan, plan_chunks
+from kernels.cpu_prefill import Chunk, CpuPrefillAttention, PrefillPlan, plan_chunks
 from kernels.cpu_stack import CpuDecodeStack
 
 
@@ -235,7 +235,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel: CpuDecodeAttention,
         fused_ops: CpuFusedOps | None = None,
         decode_stack: CpuDecodeStack | None = None,
-        prefill_kernel: AmxPrefillAttention | None = None,
+        prefill_kernel: CpuPrefillAttention | None = None,
     ) -> None:
         """`decode_stack` (with `fused_ops`, bfloat16): decode steps of one or two sequences run
         every layer in one C call (kernels/cpu_stack.py)."""

@@ -33,7 +33,7 @@ from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
-from kernels.cpu_prefill import load_amx_prefill_attention
+from kernels.cpu_prefill import load_prefill_attention
 from kernels.cpu_stack import load_cpu_decode_stack
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running
@@ -200,9 +200,10 @@ def make_attention(
     prefill = None
     if dtype == torch.bfloat16:
         try:
-            prefill = load_amx_prefill_attention(model_config.head_dim)
+            prefill = load_prefill_attention(model_config.head_dim)
+            log.info("CPU prefill attention multiplies on %s", prefill.engine)
         except KernelBuildError as exc:
-            log.info("AMX prefill attention unavailable, prompts take torch's attention: %s", exc)
+            log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
     return CpuPagedAttention(
         *shape, kernel=kernel, fused_ops=fused, decode_stack=stack, prefill_kernel=prefill
     )

@@ -1,12 +1,13 @@
-"""Prefill attention on AMX tiles (`kernels/cpu/amx_prefill_attention.c`).
+"""Prefill attention in bfloat16 on the CPU (`kernels/cpu/prefill_attention.c`).
 
 Each prefill chunk's queries attend causally to the chunk and to all of its sequence's cached
 prefix. torch's CPU flash kernel reaches about 100 GFLOP/s on SmolLM2's shapes (head_dim 64, 3
 query heads per kv head), and a chunk behind a prefix first gathers that prefix and takes the
-masked path; this kernel multiplies on AMX tiles, reads the prefix from the paged cache through
-its slots, and takes an exact softmax per row, for any mix of chunks in one call. It is built per
-head_dim (32 or 64) where the CPU has AMX-BF16 and Linux grants the tile state; elsewhere
-`load_amx_prefill_attention` raises `KernelBuildError` and the worker keeps torch's kernel.
+masked path; this kernel multiplies bfloat16 pairs into float32, reads the prefix from the paged
+cache through its slots, and takes an exact softmax per row, for any mix of chunks in one call.
+It is built per head_dim (32 or 64) with one of two engines: AMX tiles where the CPU has
+AMX-BF16 and Linux grants the tile state, else AVX-512 BF16 dot products. Where the CPU has
+neither, `load_prefill_attention` raises `KernelBuildError` and the worker keeps torch's kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kernels.cpu_build import KernelBuildError, build, load
 HEAD_DIMS = (32, 64)
 
 _lock = threading.Lock()
-_functions: dict[int, Callable[..., int]] = {}
+_functions: dict[tuple[int, bool], tuple[Callable[..., int], str]] = {}
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -112,12 +113,14 @@ def plan_chunks(chunks: Sequence[Chunk]) -> PrefillPlan:
     return PrefillPlan(len(chunks), rows, table, slots, max_slot)
 
 
-class AmxPrefillAttention:
-    """The loaded kernel for one head_dim; call it per layer with the step's `plan_chunks`."""
+class CpuPrefillAttention:
+    """The loaded kernel for one head_dim; call it per layer with the step's `plan_chunks`.
+    `engine` says what multiplies: "amx" (tiles) or "avx512_bf16" (dot products)."""
 
-    def __init__(self, function: Callable[..., int], head_dim: int) -> None:
+    def __init__(self, function: Callable[..., int], head_dim: int, engine: str) -> None:
         self._function = function
         self.head_dim = head_dim
+        self.engine = engine
 
     def __call__(
         self,
@@ -190,33 +193,37 @@ class AmxPrefillAttention:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise MemoryError("AMX prefill attention: its workspace could not be allocated")
+            raise MemoryError("prefill attention: its workspace could not be allocated")
         return out
 
 
-def load_amx_prefill_attention(head_dim: int) -> AmxPrefillAttention:
-    """Build (or find in the cache) and load the kernel for head_dim; KernelBuildError where it
-    cannot run."""
+def load_prefill_attention(head_dim: int, allow_amx: bool = True) -> CpuPrefillAttention:
+    """Build (or find in the cache) and load the kernel for head_dim: on AMX tiles where they run
+    (and `allow_amx`), else on AVX-512 BF16; KernelBuildError where neither can run."""
     if head_dim not in HEAD_DIMS:
-        raise KernelBuildError(f"the AMX prefill attention takes head_dim {HEAD_DIMS}, not {head_dim}")
+        raise KernelBuildError(f"the CPU prefill attention takes head_dim {HEAD_DIMS}, not {head_dim}")
     with _lock:
-        if head_dim not in _functions:
-            library = load(build("amx_prefill_attention.c", {"HEAD_DIM": head_dim}))
-            if library.duoserve_amx_init() != 0:
-                raise KernelBuildError("the Linux kernel did not grant this process the AMX tile state")
-            function = library.duoserve_amx_prefill_attention
-            function.restype = ctypes.c_int
-            function.argtypes = _ARGTYPES
-            _functions[head_dim] = function
-        return AmxPrefillAttention(_functions[head_dim], head_dim)
+        key = (head_dim, allow_amx)
+        if key not in _functions:
+            library = load(build("prefill_attention.c", {"HEAD_DIM": head_dim, "NO_AMX": int(not allow_amx)}))
+            if library.duoserve_prefill_attention_uses_amx() and library.duoserve_amx_init() != 0:
+                # AMX is there but Linux did not grant the tile state: the other engine runs.
+                library = load(build("prefill_attention.c", {"HEAD_DIM": head_dim, "NO_AMX": 1}))
+            engine = "amx" if library.duoserve_prefill_attention_uses_amx() else "avx512_bf16"
+            loaded = library.duoserve_prefill_attention
+            loaded.restype = ctypes.c_int
+            loaded.argtypes = _ARGTYPES
+            _functions[key] = (loaded, engine)
+        function, engine = _functions[key]
+        return CpuPrefillAttention(function, head_dim, engine)
 
 
 __all__ = [
     "HEAD_DIMS",
-    "AmxPrefillAttention",
     "Chunk",
+    "CpuPrefillAttention",
     "KernelBuildError",
     "PrefillPlan",
-    "load_amx_prefill_attention",
+    "load_prefill_attention",
     "plan_chunks",
 ]

@@ -1,4 +1,5 @@
-"""The AMX prefill attention against a float64 reference, with and without a cached prefix, and its
+"""The CPU prefill attention against a float64 reference, with and without a cached prefix, on each
+engine this CPU runs (AVX-512 BF16 dot products; AMX tiles too where the CPU has them), and its
 launcher's checks."""
 
 from __future__ import annotations
@@ -7,11 +8,25 @@ import pytest
 import torch
 
 from kernels.cpu_build import KernelBuildError
-from kernels.cpu_prefill import AmxPrefillAttention, Chunk, load_amx_prefill_attention, plan_chunks
+from kernels.cpu_prefill import Chunk, CpuPrefillAttention, load_prefill_attention, plan_chunks
 from tests.test_cpu_linear_kernel import cpu_has
 
-# Only a CPU without AMX-BF16 cannot run the kernel; anywhere else a build failure fails here.
-pytestmark = pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
+# Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
+pytestmark = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
+
+ENGINES_HERE = ["avx512_bf16", *(["amx"] if cpu_has("amx_bf16") else [])]
+
+
+@pytest.fixture(params=ENGINES_HERE)
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def load_on(engine: str, head_dim: int) -> CpuPrefillAttention:
+    """The kernel on `engine`, checked to be the one that runs."""
+    kernel = load_prefill_attention(head_dim, allow_amx=engine == "amx")
+    assert kernel.engine == engine
+    return kernel
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,9 +54,9 @@ def projections(tokens: int, heads: int, kv_heads: int, head_dim: int, seed: int
     "lengths", [[1], [2], [15], [16], [17], [31], [32], [33], [64], [100, 7, 1, 300], [256] * 4]
 )
 def test_each_prompt_attends_causally_to_itself(
-    head_dim: int, heads: int, kv_heads: int, lengths: list[int]
+    engine: str, head_dim: int, heads: int, kv_heads: int, lengths: list[int]
 ) -> None:
-    kernel = load_amx_prefill_attention(head_dim)
+    kernel = load_on(engine, head_dim)
     gap = 3  # rows between prompts that no prompt owns: the kernel must leave them alone
     starts = [sum(lengths[:i]) + gap * (i + 1) for i in range(len(lengths))]
     tokens = starts[-1] + lengths[-1] + gap
@@ -66,9 +81,9 @@ def test_each_prompt_attends_causally_to_itself(
     ("prefix", "length"), [(1, 1), (1, 16), (15, 2), (16, 16), (17, 33), (250, 6), (300, 100)]
 )
 def test_a_chunk_behind_a_prefix_reads_its_keys_from_the_cache(
-    head_dim: int, heads: int, kv_heads: int, prefix: int, length: int
+    engine: str, head_dim: int, heads: int, kv_heads: int, prefix: int, length: int
 ) -> None:
-    kernel = load_amx_prefill_attention(head_dim)
+    kernel = load_on(engine, head_dim)
     block_size, num_blocks = 16, 64
     gen = torch.Generator().manual_seed(prefix * length + heads)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
@@ -95,8 +110,8 @@ def test_a_chunk_behind_a_prefix_reads_its_keys_from_the_cache(
     torch.testing.assert_close(out[:20].double(), reference(q[:20], k[:20], v[:20]), atol=2e-2, rtol=2e-2)
 
 
-def test_a_prompt_gives_the_same_bits_alone_and_among_others() -> None:
-    kernel = load_amx_prefill_attention(64)
+def test_a_prompt_gives_the_same_bits_alone_and_among_others(engine: str) -> None:
+    kernel = load_on(engine, 64)
     q, k, v = projections(90, 9, 3, 64, seed=1)
     together = kernel(
         q, k, v, plan_chunks([Chunk(0, 40), Chunk(40, 50)]), torch.empty(90, 9, 64, dtype=torch.bfloat16)
@@ -107,8 +122,8 @@ def test_a_prompt_gives_the_same_bits_alone_and_among_others() -> None:
     assert torch.equal(together[40:], alone)
 
 
-def test_no_prompts_write_nothing() -> None:
-    kernel = load_amx_prefill_attention(64)
+def test_no_prompts_write_nothing(engine: str) -> None:
+    kernel = load_on(engine, 64)
     q, k, v = projections(4, 9, 3, 64, seed=2)
     out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
     assert torch.equal(kernel(q, k, v, plan_chunks([]), out), torch.zeros(4, 9, 64, dtype=torch.bfloat16))
@@ -116,11 +131,11 @@ def test_no_prompts_write_nothing() -> None:
 
 def test_other_head_dims_are_refused_at_load() -> None:
     with pytest.raises(KernelBuildError, match="head_dim"):
-        load_amx_prefill_attention(128)
+        load_prefill_attention(128)
 
 
-def test_the_launcher_names_what_it_cannot_take() -> None:
-    kernel: AmxPrefillAttention = load_amx_prefill_attention(64)
+def test_the_launcher_names_what_it_cannot_take(engine: str) -> None:
+    kernel = load_on(engine, 64)
     q, k, v = projections(8, 9, 3, 64, seed=3)
     out = torch.empty(8, 9, 64, dtype=torch.bfloat16)
     prompts = plan_chunks([Chunk(0, 8)])

@@ -11,7 +11,7 @@ import torch
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, fresh_runs
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from kernels.cpu_decode import load_cpu_decode_attention
-from kernels.cpu_prefill import AmxPrefillAttention, load_amx_prefill_attention
+from kernels.cpu_prefill import CpuPrefillAttention, load_prefill_attention
 from tests.test_cpu_linear_kernel import cpu_has
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8
@@ -81,8 +81,8 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
         torch.testing.assert_close(together[rows].double(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
-def test_the_cpu_backend_sends_every_prefill_chunk_to_the_amx_kernel_in_one_call() -> None:
+@pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
+def test_the_cpu_backend_sends_every_prefill_chunk_to_the_prefill_kernel_in_one_call() -> None:
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
     v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
@@ -92,7 +92,7 @@ def test_the_cpu_backend_sends_every_prefill_chunk_to_the_amx_kernel_in_one_call
     k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
     v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
     decode = load_cpu_decode_attention(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, BLOCK_SIZE, torch.bfloat16)
-    prefill = load_amx_prefill_attention(HEAD_DIM)
+    prefill = load_prefill_attention(HEAD_DIM)
     calls = []
 
     def counted(*args: Any) -> torch.Tensor:
@@ -100,7 +100,7 @@ def test_the_cpu_backend_sends_every_prefill_chunk_to_the_amx_kernel_in_one_call
         return prefill(*args)
 
     with_kernel = CpuPagedAttention(
-        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(AmxPrefillAttention, counted)
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(CpuPrefillAttention, counted)
     )
     without = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode)
     cache = (k_cache.clone(), v_cache.clone())
