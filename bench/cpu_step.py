@@ -7,14 +7,15 @@ No server: the model runs in this process on 64 sequences' worth of KV cache fil
 values, so what is timed is the forward alone (what the serving benchmark adds on top is the
 scheduler, gRPC and the client sharing the cores). It prints, medians of repeated runs:
 - decode steps of 1, 16 and 64 sequences at 320 tokens of context, with duoserve's own decode
-  linears (AMX or the small-batch kernel, and the one-call decode stack) and with oneDNN alone
+  linears (the pair-layout kernel, and the one-call decode stack) and with oneDNN alone
   (`--no-small-batch-linear`'s path);
 - a prefill step of 8 whole 256-token prompts;
 - prefill steps (whole prompts, and a chunk behind a cached prefix) with and without the C
   prefill attention (kernels/cpu_prefill.py) and the MLP's SiLU as oneDNN post-ops
   (gpu_worker/linear.py's GateUpLinear), each config twice, interleaved;
-- the four linears of every layer at 1, 8, 16, 32, 64 and 128 rows: the AMX kernel (where the CPU
-  has it) against oneDNN's packed kernel, each on its own copy of 30 layers' weights.
+- the four linears of every layer at 1, 8, 16, 32, 64 and 128 rows: the pair-layout kernel (on
+  AMX tiles or AVX-512 BF16 dot products, as this CPU has them) against oneDNN's packed kernel,
+  each on its own copy of 30 layers' weights.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.linear import PACKING_BATCH_HINT, amx_kernel, onednn_post_ops_available
+from gpu_worker.linear import PACKING_BATCH_HINT, onednn_post_ops_available, pair_kernel
 from gpu_worker.loader import load_model
 from gpu_worker.model import DecoderLayer, LlamaModel
 from gpu_worker.worker import make_attention
-from kernels import cpu_amx
+from kernels import cpu_pair_linear
 from scheduler.model_files import find_default_model
 
 CONTEXT = 320
@@ -124,10 +125,10 @@ def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]
         batch = build_forward_batch(chunks, BLOCK, cpu)
         out[name] = {label: [] for label in PREFILL_CONFIGS}
         for _ in range(2):
-            for label, (amx, post_ops) in PREFILL_CONFIGS.items():
-                if kernel is None and amx:
+            for label, (own_attention, post_ops) in PREFILL_CONFIGS.items():
+                if kernel is None and own_attention:
                     continue
-                attention.prefill_kernel = kernel if amx else None
+                attention.prefill_kernel = kernel if own_attention else None
                 for layer in model.layers:
                     assert isinstance(layer, DecoderLayer)
                     layer.gate_up.post_ops = post_ops and onednn_post_ops_available()
@@ -143,11 +144,12 @@ def linears(path: Path, repeats: int) -> dict[str, dict[str, float]]:
         "gate_up": (2 * config.intermediate_size, config.hidden_size),
         "down": (config.hidden_size, config.intermediate_size),
     }
-    amx = amx_kernel()
+    pair = pair_kernel()
+    label = f"pair layout ({pair.engine})" if pair is not None else ""
     onednn = torch.ops.mkldnn._linear_pointwise
     results: dict[str, dict[str, float]] = {}
     for rows in (1, 8, 16, 32, 64, 128):
-        totals = {"oneDNN": 0.0, "AMX": 0.0}
+        totals = {"oneDNN": 0.0, label: 0.0}
         for out_features, in_features in shapes.values():
             plain = [torch.randn(out_features, in_features).bfloat16() for _ in range(config.num_layers)]
             x = torch.randn(rows, in_features).bfloat16()
@@ -155,12 +157,12 @@ def linears(path: Path, repeats: int) -> dict[str, dict[str, float]]:
             totals["oneDNN"] += median_ms(
                 lambda x=x, packed=packed: [onednn(x, w, None, "none", [], "") for w in packed], repeats
             )
-            if amx is not None:
-                tiles = [cpu_amx.pack(w) for w in plain]
-                totals["AMX"] += median_ms(
-                    lambda x=x, tiles=tiles, amx=amx: [amx(x, w) for w in tiles], repeats
+            if pair is not None:
+                pairs = [cpu_pair_linear.pack(w) for w in plain]
+                totals[label] += median_ms(
+                    lambda x=x, pairs=pairs, pair=pair: [pair(x, w) for w in pairs], repeats
                 )
-        results[f"{rows} rows"] = totals if amx is not None else {"oneDNN": totals["oneDNN"]}
+        results[f"{rows} rows"] = totals if pair is not None else {"oneDNN": totals["oneDNN"]}
     return results
 
 

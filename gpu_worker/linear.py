@@ -3,10 +3,10 @@
 On the CPU in bfloat16, weights are reordered once into oneDNN's blocked layout and multiplied
 with its packed-weight kernel: measured here 1.3-1.5x faster than `F.linear` for a whole
 decode step (weights stream from memory every step, and `F.linear` re-reads them in their
-plain layout) and for long prefill chunks. Decode-sized steps take duoserve's own kernels where
-they build: AMX tiles for 1 to 64 rows (kernels/cpu_amx.py: 10-30% faster than oneDNN there),
-else, for one or two rows, the AVX-512 BF16 small-batch kernel (kernels/cpu_linear.py: it
-streams the weights about 1.3x faster than oneDNN at one row). Elsewhere `F.linear` is used as is.
+plain layout) and for long prefill chunks. Decode-sized steps, 1 to 64 rows, take duoserve's
+pair-layout kernel where it builds (kernels/cpu_pair_linear.py: AMX tiles or AVX-512 BF16 dot
+products, 10-45% faster than oneDNN there), else, for one or two rows, the AVX-512 BF16
+small-batch kernel (kernels/cpu_linear.py). Elsewhere `F.linear` is used as is.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_amx
-from kernels.cpu_amx import AmxLinear, load_amx_linear
+from kernels import cpu_pair_linear
 from kernels.cpu_linear import MAX_ROWS, KernelBuildError, SmallBatchLinear, load_small_batch_linear
+from kernels.cpu_pair_linear import PairLinear, load_pair_linear
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-_kernels: dict[str, SmallBatchLinear | AmxLinear | None] = {}  # a name is absent until tried once
+_kernels: dict[str, SmallBatchLinear | PairLinear | None] = {}  # a name is absent until tried once
 _kernels_lock = threading.Lock()
 
 
@@ -50,20 +50,23 @@ def small_batch_kernel() -> SmallBatchLinear | None:
     return kernel
 
 
-def amx_kernel() -> AmxLinear | None:
-    """The AMX linear kernel, or None where it cannot run (said once in the log)."""
-    kernel = _kernel("AMX", load_amx_linear)
-    assert kernel is None or isinstance(kernel, AmxLinear)
+def pair_kernel() -> PairLinear | None:
+    """The pair-layout linear kernel, or None where it cannot run (said once in the log, with
+    the engine it runs on where it does)."""
+    kernel = _kernel("pair-layout", load_pair_linear)
+    assert kernel is None or isinstance(kernel, PairLinear)
     return kernel
 
 
 def _kernel(
-    name: str, loader: Callable[[], SmallBatchLinear | AmxLinear]
-) -> SmallBatchLinear | AmxLinear | None:
+    name: str, loader: Callable[[], SmallBatchLinear | PairLinear]
+) -> SmallBatchLinear | PairLinear | None:
     with _kernels_lock:
         if name not in _kernels:
             try:
-                _kernels[name] = loader()
+                _kernels[name] = loaded = loader()
+                if isinstance(loaded, PairLinear):
+                    log.info("%s linear kernel multiplies on %s", name, loaded.engine)
             except KernelBuildError as exc:
                 log.info("%s linear kernel unavailable, oneDNN takes its batch sizes: %s", name, exc)
                 _kernels[name] = None
@@ -73,8 +76,8 @@ def _kernel(
 class Linear:
     """x [T, in] → x @ weight.T (+ bias) [T, out], by the fastest kernel here for T rows.
 
-    Not `packed`: `F.linear`. `packed`: oneDNN's packed bfloat16 kernel, except that with `amx`
-    steps of up to cpu_amx.MAX_ROWS rows take the AMX kernel (on `amx_weight`, packed for it), and
+    Not `packed`: `F.linear`. `packed`: oneDNN's packed bfloat16 kernel, except that with `pair`
+    steps of up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`), and
     without it but with `small_batch`, steps of up to MAX_ROWS rows take the small-batch kernel.
     """
 
@@ -84,16 +87,16 @@ class Linear:
         bias: torch.Tensor | None,
         packed: bool,
         small_batch: SmallBatchLinear | None = None,
-        amx: AmxLinear | None = None,
+        pair: PairLinear | None = None,
     ) -> None:
         self.weight = weight
         self.bias = bias
         self.packed = packed
         self._onednn_weight = self._pack_for_onednn() if packed else None
         self._plain_bias = None if bias is None else bias.contiguous()
-        self._amx = amx if packed and amx is not None and amx.supports(weight) else None
-        self.amx_weight = cpu_amx.pack(weight) if self._amx is not None else None
-        usable = packed and self._amx is None and small_batch is not None and small_batch.supports(weight)
+        self._pair = pair if packed and pair is not None and pair.supports(weight) else None
+        self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
+        usable = packed and self._pair is None and small_batch is not None and small_batch.supports(weight)
         self._small = small_batch if usable else None
 
     def _pack_for_onednn(self) -> torch.Tensor | None:
@@ -104,18 +107,23 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         return self._own_kernel(x) if self.takes_own_kernel(x) else self._onednn(x)
 
+    @property
+    def pair_engine(self) -> str | None:
+        """What the pair-layout kernel of this linear multiplies on, or None when it has none."""
+        return None if self._pair is None else self._pair.engine
+
     def takes_own_kernel(self, x: torch.Tensor) -> bool:
-        """True when a step of x's rows runs on duoserve's AMX or small-batch kernel, not oneDNN."""
+        """True when a step of x's rows runs on duoserve's pair-layout or small-batch kernel, not oneDNN."""
         if x.stride(-1) != 1:
             return False
         rows = x.shape[0]
-        if self._amx is not None:
-            return 1 <= rows <= cpu_amx.MAX_ROWS
+        if self._pair is not None:
+            return 1 <= rows <= cpu_pair_linear.MAX_ROWS
         return self._small is not None and 1 <= rows <= MAX_ROWS
 
     def _own_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self._amx is not None and self.amx_weight is not None:
-            return self._amx(x, self.amx_weight, self._plain_bias)
+        if self._pair is not None and self.pair_weight is not None:
+            return self._pair(x, self.pair_weight, self._plain_bias)
         assert self._small is not None
         return self._small(x, self.weight, self._plain_bias)
 
@@ -139,9 +147,9 @@ class GateUpLinear(Linear):
         weight: torch.Tensor,
         packed: bool,
         small_batch: SmallBatchLinear | None = None,
-        amx: AmxLinear | None = None,
+        pair: PairLinear | None = None,
     ) -> None:
-        super().__init__(weight, None, packed, small_batch, amx)
+        super().__init__(weight, None, packed, small_batch, pair)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
         self.post_ops = packed and onednn_post_ops_available()
         half = weight.shape[0] // 2

@@ -16,10 +16,10 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import GateUpLinear, Linear, amx_kernel, packed_linear_available, small_batch_kernel
+from gpu_worker.linear import GateUpLinear, Linear, packed_linear_available, pair_kernel, small_batch_kernel
 from gpu_worker.loader import ModelConfig
-from kernels.cpu_amx import AmxLinear
 from kernels.cpu_linear import SmallBatchLinear
+from kernels.cpu_pair_linear import PairLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,13 +109,13 @@ class DecoderLayer(nn.Module):
         self.prepare_linears(packed=False)
 
     def prepare_linears(
-        self, packed: bool, small_batch: SmallBatchLinear | None = None, amx: AmxLinear | None = None
+        self, packed: bool, small_batch: SmallBatchLinear | None = None, pair: PairLinear | None = None
     ) -> None:
         """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, small_batch, amx)
-        self.o_proj = Linear(self.o_weight, None, packed, small_batch, amx)
-        self.gate_up = GateUpLinear(self.gate_up_weight, packed, small_batch, amx)
-        self.down = Linear(self.down_weight, None, packed, small_batch, amx)
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, small_batch, pair)
+        self.o_proj = Linear(self.o_weight, None, packed, small_batch, pair)
+        self.gate_up = GateUpLinear(self.gate_up_weight, packed, small_batch, pair)
+        self.down = Linear(self.down_weight, None, packed, small_batch, pair)
 
     def forward(
         self,
@@ -278,12 +278,12 @@ class LlamaModel(nn.Module):
         # Packed copies are taken of the loaded values, so this comes last.
         packed = packed_linear_available(self.dtype, self.device)
         own = packed and self.small_batch_linears
-        amx = amx_kernel() if own else None
-        small_batch = small_batch_kernel() if own and amx is None else None
+        pair = pair_kernel() if own else None
+        small_batch = small_batch_kernel() if own and pair is None else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, small_batch, amx)
-        self.lm_head_linear = Linear(self.lm_head, None, packed, small_batch, amx)
+            layer.prepare_linears(packed, small_batch, pair)
+        self.lm_head_linear = Linear(self.lm_head, None, packed, small_batch, pair)
 
     @torch.inference_mode()
     def forward(
@@ -349,7 +349,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend
         in bfloat16 with duoserve's own linears, of at most the bound stack's `max_rows` sequences
-        (cpu_amx.MAX_ROWS with the AMX kernel, else the small-batch one's MAX_ROWS). None (nothing
+        (cpu_pair_linear.MAX_ROWS with the pair-layout kernel, else the small-batch one's MAX_ROWS). None (nothing
         done) otherwise. The stack is bound to these KV caches on first use."""
         attention = self.attention
         if (
@@ -363,6 +363,12 @@ class LlamaModel(nn.Module):
             return None
         key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
+            engine = layers[0].qkv.pair_engine
+            if engine is not None and engine != attention.decode_stack.pair_engine:
+                raise ValueError(
+                    f"decode stack: its pair-layout linear runs on {attention.decode_stack.pair_engine}, "
+                    f"the model's on {engine}"
+                )
             norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
             bound = attention.decode_stack.bind(
                 [
@@ -376,7 +382,7 @@ class LlamaModel(nn.Module):
                         next_norm=norm.detach(),
                         k_cache=k_cache,
                         v_cache=v_cache,
-                        amx_weights=_amx_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down),
+                        pair_weights=_pair_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down),
                     )
                     for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True)
                 ],
@@ -399,7 +405,7 @@ class LlamaModel(nn.Module):
         )
 
 
-def _amx_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
-    """The linears' AMX-packed weights, or None unless all of them have one."""
-    weights = [linear.amx_weight for linear in linears]
+def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
+    """The linears' pair-layout weights, or None unless all of them have one."""
+    weights = [linear.pair_weight for linear in linears]
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)

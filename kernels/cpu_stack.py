@@ -7,8 +7,9 @@ allocation, the call). `kernels/cpu/decode_stack.c` calls the same C kernels in 
 on scratch buffers, so the results are the per-op path's, bit for bit, and the step pays one
 call (more only when the worker has urgent steps to run between layers).
 
-The same holds for decode batches of up to 64 sequences when the layers come with AMX-packed
-weights (kernels/cpu_amx.py): the stack then runs the AMX linear where the per-op path does.
+The same holds for decode batches of up to 64 sequences when the layers come with weights packed
+in pairs (kernels/cpu_pair_linear.py): the stack then runs the pair-layout linear where the
+per-op path does, on the same engine (built for it: AMX tiles or AVX-512 BF16 dot products).
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
 step. Needs what the small-batch linear kernel needs (AVX-512 BF16); elsewhere
@@ -24,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_amx
+from kernels import cpu_pair_linear
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, load
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
 from kernels.cpu_linear import MAX_ROWS
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int], CpuDecodeStack] = {}
+_loaded: dict[tuple[int, int, int, bool], CpuDecodeStack] = {}
 
 
 class _Layer(ctypes.Structure):
@@ -45,10 +46,10 @@ class _Layer(ctypes.Structure):
         ("next_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
-        ("qkv_amx", ctypes.c_void_p),
-        ("o_amx", ctypes.c_void_p),
-        ("gate_up_amx", ctypes.c_void_p),
-        ("down_amx", ctypes.c_void_p),
+        ("qkv_pair", ctypes.c_void_p),
+        ("o_pair", ctypes.c_void_p),
+        ("gate_up_pair", ctypes.c_void_p),
+        ("down_pair", ctypes.c_void_p),
     ]
 
 
@@ -83,9 +84,9 @@ class StackLayer:
     next_norm: torch.Tensor  # [hidden]: the next layer's input norm, or the final norm
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    # The qkv, o, gate_up and down weights packed by kernels.cpu_amx.pack: the stack then takes up
-    # to cpu_amx.MAX_ROWS rows, through the AMX kernel.
-    amx_weights: tuple[torch.Tensor, ...] | None = None
+    # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack: the stack then
+    # takes up to cpu_pair_linear.MAX_ROWS rows, through the pair-layout kernel.
+    pair_weights: tuple[torch.Tensor, ...] | None = None
 
 
 class BoundStack:
@@ -102,13 +103,14 @@ class BoundStack:
         self.q_size = self.kv_size * stack.group
         self.ffn = first.down_weight.shape[1]
         self.num_slots = first.k_cache.shape[0] * first.k_cache.shape[1]
-        with_amx = [layer.amx_weights is not None for layer in layers]
+        with_pairs = [layer.pair_weights is not None for layer in layers]
         require(
-            all(with_amx) or not any(with_amx), "layers", layers[0].qkv_weight, "AMX weights in all or none"
+            all(with_pairs) or not any(with_pairs),
+            "layers",
+            layers[0].qkv_weight,
+            "pair-layout weights in all or none",
         )
-        if any(with_amx) and not stack.has_amx:
-            raise ValueError("layers: AMX weights given, but this stack was built without the AMX linear")
-        self.max_rows = cpu_amx.MAX_ROWS if all(with_amx) else MAX_ROWS
+        self.max_rows = cpu_pair_linear.MAX_ROWS if all(with_pairs) else MAX_ROWS
         for index, layer in enumerate(layers):
             self._check(index, layer)
         self._layers = (_Layer * len(layers))(
@@ -123,7 +125,7 @@ class BoundStack:
                     layer.next_norm.data_ptr(),
                     layer.k_cache.data_ptr(),
                     layer.v_cache.data_ptr(),
-                    *([w.data_ptr() for w in layer.amx_weights] if layer.amx_weights else [None] * 4),
+                    *([w.data_ptr() for w in layer.pair_weights] if layer.pair_weights else [None] * 4),
                 )
                 for layer in layers
             )
@@ -160,21 +162,24 @@ class BoundStack:
             layer.qkv_weight,
             "hidden, q_size and ffn multiples of 32, kv_size of 16 (the small-batch linear's tiling)",
         )
-        if layer.amx_weights is not None:
+        if layer.pair_weights is not None:
             names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
             require(
-                len(layer.amx_weights) == 4, f"layers[{index}].amx_weights", layer.qkv_weight, "four weights"
+                len(layer.pair_weights) == 4,
+                f"layers[{index}].pair_weights",
+                layer.qkv_weight,
+                "four weights",
             )
-            for name, packed in zip(names, layer.amx_weights, strict=True):
+            for name, packed in zip(names, layer.pair_weights, strict=True):
                 out, k = expected[name]
                 shape = (out // 16, k // 32, 16, 16, 2)
                 require(
                     tuple(packed.shape) == shape
                     and packed.dtype == torch.bfloat16
                     and packed.is_contiguous(),
-                    f"layers[{index}].amx_weights ({name})",
+                    f"layers[{index}].pair_weights ({name})",
                     packed,
-                    f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_amx.pack)",
+                    f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
                 )
         cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
         for name in ("k_cache", "v_cache"):
@@ -306,10 +311,12 @@ class CpuDecodeStack:
     """The loaded kernel for one attention shape (head_dim, group, block_size)."""
 
     def __init__(
-        self, function: Callable[..., int], head_dim: int, group: int, block_size: int, has_amx: bool = False
+        self, function: Callable[..., int], head_dim: int, group: int, block_size: int, pair_engine: str
     ) -> None:
         self.function = function
-        self.has_amx = has_amx  # built with the AMX linear: layers may bring AMX weights
+        # What the pair-layout linear multiplies on in this build: bind weights packed for
+        # cpu_pair_linear's kernel of the same engine, so the stack's bits are the per-op path's.
+        self.pair_engine = pair_engine
         self.head_dim = head_dim
         self.group = group
         self.block_size = block_size
@@ -320,8 +327,11 @@ class CpuDecodeStack:
         return BoundStack(self, layers, eps)
 
 
-def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDecodeStack:
-    """Build (or find in the cache) and load the stack for this attention shape (bfloat16)."""
+def load_cpu_decode_stack(
+    head_dim: int, group: int, block_size: int, allow_amx: bool = True
+) -> CpuDecodeStack:
+    """Build (or find in the cache) and load the stack for this attention shape (bfloat16), its
+    pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16."""
     if not (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -331,7 +341,7 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
         raise KernelBuildError(
             f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
         )
-    key = (head_dim, group, block_size)
+    key = (head_dim, group, block_size, allow_amx)
     with _lock:
         if key not in _loaded:
             path = build(
@@ -342,6 +352,7 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                     "BLOCK": block_size,
                     "ELEM_BF16": 1,
                     "MAX_ROWS": MAX_ROWS,
+                    "NO_AMX": int(not allow_amx),
                 },
             )
             library = load(path)
@@ -356,8 +367,8 @@ def load_cpu_decode_stack(head_dim: int, group: int, block_size: int) -> CpuDeco
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            has_amx = bool(library.duoserve_decode_stack_has_amx())
-            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, has_amx)
+            engine = "amx" if library.duoserve_pair_linear_uses_amx() else "avx512_bf16"
+            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine)
         return _loaded[key]
 
 

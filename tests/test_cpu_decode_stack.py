@@ -14,11 +14,11 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import amx_kernel
+from gpu_worker.linear import pair_kernel
 from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
-from kernels import cpu_amx
+from kernels import cpu_pair_linear
 from kernels.cpu_linear import MAX_ROWS
 from kernels.cpu_stack import BoundStack, StackLayer, load_cpu_decode_stack
 from tests.test_cpu_linear_kernel import has_avx512_bf16
@@ -55,8 +55,9 @@ def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaMod
 
 
 def stack_rows() -> int:
-    """How many rows the stack takes here: with AMX (where the linears run on tiles), up to 64."""
-    return cpu_amx.MAX_ROWS if amx_kernel() is not None else MAX_ROWS
+    """How many rows the stack takes here: with the pair-layout linear (AMX tiles or AVX-512 BF16
+    dot products), up to 64."""
+    return cpu_pair_linear.MAX_ROWS if pair_kernel() is not None else MAX_ROWS
 
 
 class CountingRuns:
@@ -73,7 +74,7 @@ class CountingRuns:
         monkeypatch.setattr(BoundStack, "run", run)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 19])  # 19: more than one AMX tile of rows (16 and 3)
+@pytest.mark.parametrize("rows", [1, 2, 19])  # 19: more than one tile or block of rows
 @pytest.mark.parametrize("with_yield_points", [False, True])
 def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     tiny: tuple[ModelConfig, Any], rows: int, with_yield_points: bool, monkeypatch: pytest.MonkeyPatch
@@ -219,17 +220,13 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
         stack.bind([], config.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[1\]\.o_weight"):
         stack.bind([layers[0], wrong, *layers[2:]], config.rms_norm_eps)
-    packed = [replace(layer, amx_weights=packed_weights(layer)) for layer in layers]
-    with pytest.raises(ValueError, match="AMX weights in all or none"):
+    packed = [replace(layer, pair_weights=packed_weights(layer)) for layer in layers]
+    with pytest.raises(ValueError, match="pair-layout weights in all or none"):
         stack.bind([packed[0], *layers[1:]], config.rms_norm_eps)
-    if stack.has_amx:
-        misshapen = replace(packed[1], amx_weights=(packed[1].amx_weights or ())[::-1])
-        with pytest.raises(ValueError, match=r"layers\[1\]\.amx_weights \(qkv_weight\)"):
-            stack.bind([packed[0], misshapen, *packed[2:]], config.rms_norm_eps)
-        assert stack.bind(packed, config.rms_norm_eps).max_rows == cpu_amx.MAX_ROWS
-    else:
-        with pytest.raises(ValueError, match="built without the AMX linear"):
-            stack.bind(packed, config.rms_norm_eps)
+    misshapen = replace(packed[1], pair_weights=(packed[1].pair_weights or ())[::-1])
+    with pytest.raises(ValueError, match=r"layers\[1\]\.pair_weights \(qkv_weight\)"):
+        stack.bind([packed[0], misshapen, *packed[2:]], config.rms_norm_eps)
+    assert stack.bind(packed, config.rms_norm_eps).max_rows == cpu_pair_linear.MAX_ROWS
     bound = stack.bind(layers, config.rms_norm_eps)
     half = config.head_dim // 2
     x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
@@ -285,4 +282,4 @@ def test_the_stack_builds_at_real_models_shapes(head_dim: int, group: int) -> No
 
 def packed_weights(layer: StackLayer) -> tuple[torch.Tensor, ...]:
     weights = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
-    return tuple(cpu_amx.pack(w) for w in weights)
+    return tuple(cpu_pair_linear.pack(w) for w in weights)

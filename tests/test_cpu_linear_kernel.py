@@ -102,17 +102,23 @@ def test_smollm2_decodes_alike_with_and_without_the_kernel(monkeypatch: pytest.M
     monkeypatch.setattr(gpu_worker.linear, "_post_ops", [False])
     config, weights = load_model(find_default_model())
     logits = []
-    for small in (True, False):
-        model = LlamaModel(config, torch.bfloat16, "cpu", small_batch_linears=small)
+    for dtype, own in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):
+        model = LlamaModel(config, dtype, "cpu", small_batch_linears=own)
         model.load_weights(weights)
-        kv = allocate_kv_cache(config, 4, 16, torch.bfloat16, torch.device("cpu"))
+        kv = allocate_kv_cache(config, 4, 16, dtype, torch.device("cpu"))
         prompt = list(range(100, 120))
         steps = [  # a chunk that needs no logits, the rest of the prompt, then a decode
             ScheduledChunk(prompt[:12], 0, [0, 1], False),
             ScheduledChunk(prompt[12:], 12, [0, 1], True),
             ScheduledChunk([7], 20, [0, 1], True),
         ]
-        logits.append([model(build_forward_batch([chunk], 16, "cpu"), kv) for chunk in steps])
-    for with_kernel, without in zip(*logits, strict=True):
+        logits.append([model(build_forward_batch([chunk], 16, "cpu"), kv).float() for chunk in steps])
+    assert logits[0][0].shape == logits[1][0].shape == (0, config.vocab_size)  # the chunk without logits
+    for with_kernel, without, exact in zip(*(steps[1:] for steps in logits), strict=True):
         assert with_kernel.argmax(-1).tolist() == without.argmax(-1).tolist()
-        torch.testing.assert_close(with_kernel, without, rtol=0.05, atol=0.3)
+        # Every linear rounds its float32 sums to bfloat16 once, whichever kernel runs, but they
+        # add in different orders, and over 30 layers each bfloat16 path drifts from float32
+        # (up to ~0.5 in a logit here). Running the kernels must not drift further than oneDNN.
+        ours, theirs = (with_kernel - exact).abs(), (without - exact).abs()
+        assert ours.max() <= 2 * theirs.max() + 0.1
+        assert ours.mean() <= 3 * theirs.mean() + 0.02

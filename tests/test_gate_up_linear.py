@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import gpu_worker.linear as linear
-from gpu_worker.linear import GateUpLinear, amx_kernel, onednn_post_ops_available, packed_linear_available
+from gpu_worker.linear import GateUpLinear, onednn_post_ops_available, packed_linear_available, pair_kernel
 from tests.test_cpu_linear_kernel import has_avx512_bf16
 
 CPU = torch.device("cpu")
@@ -53,7 +53,7 @@ def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> No
     if not onednn_post_ops_available():
         pytest.skip("oneDNN here lacks the post-ops (test_post_ops_run_here says where that fails)")
     weight = weights(rows)
-    lin = GateUpLinear(weight, packed=True, amx=amx_kernel())
+    lin = GateUpLinear(weight, packed=True, pair=pair_kernel())
     x = inputs(rows, rows + 1)
     out = lin.silu_and_mul(x, refuse)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, FFN)
@@ -67,10 +67,10 @@ def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> No
 
 @pytest.mark.parametrize("rows", [1, 2, 17, 64])
 def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
-    amx = amx_kernel()
-    if amx is None:
-        pytest.skip("no AMX linear on this CPU: oneDNN takes every step (the test above)")
-    lin = GateUpLinear(weights(rows), packed=True, amx=amx)
+    pair = pair_kernel()
+    if pair is None:
+        pytest.skip("no pair-layout linear on this CPU: oneDNN takes every step (the test above)")
+    lin = GateUpLinear(weights(rows), packed=True, pair=pair)
     x = inputs(rows, rows)
     seen = []
 
@@ -80,7 +80,7 @@ def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
 
     out = lin.silu_and_mul(x, fallback)
     assert len(seen) == 1 and seen[0].shape == (rows, 2 * FFN)
-    assert torch.equal(seen[0], amx(x, lin.amx_weight))
+    assert torch.equal(seen[0], pair(x, lin.pair_weight))
     assert torch.equal(out, fused_op(seen[0]))
 
 
@@ -88,7 +88,7 @@ def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
 def test_the_whole_projection_is_still_there(rows: int) -> None:
     # oneDNN packs gate and up apart; calling the linear gives both side by side on every path.
     weight = weights(rows)
-    lin = GateUpLinear(weight, packed=True, amx=amx_kernel())
+    lin = GateUpLinear(weight, packed=True, pair=pair_kernel())
     x = inputs(rows, 7)
     out = lin(x)
     assert out.shape == (rows, 2 * FFN)
@@ -97,7 +97,7 @@ def test_the_whole_projection_is_still_there(rows: int) -> None:
 
 def test_without_the_post_ops_onednn_steps_take_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "_post_ops", [False])
-    lin = GateUpLinear(weights(0), packed=True, amx=amx_kernel())
+    lin = GateUpLinear(weights(0), packed=True, pair=pair_kernel())
     x = inputs(100, 0)
     assert torch.equal(lin.silu_and_mul(x, fused_op), fused_op(lin(x)))
 

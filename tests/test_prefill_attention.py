@@ -1,5 +1,5 @@
 """Prefill attention on the CPU: torch SDPA runs whole prompts of one length as one call; the CPU
-backend sends every prefill chunk to the AMX kernel in one call."""
+backend sends every prefill chunk to the C prefill kernel in one call."""
 
 from __future__ import annotations
 

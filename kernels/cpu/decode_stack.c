@@ -6,10 +6,12 @@
  * each from Python, eight per layer. This runs the same kernels the per-op path calls, in the
  * same order, on the same buffers: the small-batch linear (qkv, o, gate_up, down), rotary,
  * the KV write, paged decode attention, residual add + RMSNorm and SiLU-and-multiply. So its
- * results are those of the per-op path, bit for bit. With AMX-packed weights bound (where the
- * CPU has AMX) the linears run on AMX tiles instead, as the per-op path's do, and batches of up
- * to 64 rows take the stack too. Built by kernels/cpu_stack.py for bfloat16 with the attention
- * shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK) and -DMAX_ROWS (the small-batch kernel's rows).
+ * results are those of the per-op path, bit for bit. With pair-layout weights bound
+ * (kernels/cpu_pair_linear.py) the linears run on the pair-layout kernel instead, as the per-op
+ * path's do, on the same engine (AMX tiles, or AVX-512 BF16 dot products with -DNO_AMX=1), and
+ * batches of up to 64 rows take the stack too. Built by kernels/cpu_stack.py for bfloat16 with
+ * the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK) and -DMAX_ROWS (the small-batch
+ * kernel's rows).
  */
 #include <stdint.h>
 #include <string.h>
@@ -17,12 +19,7 @@
 #include "fused_ops.c"
 #include "paged_decode_attention.c"
 #include "small_batch_linear.c"
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include "amx_linear.c"
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "pair_linear.c"
 
 #if !ELEM_BF16
 #error "the decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
@@ -38,26 +35,19 @@ typedef struct {
     const uint16_t *down_weight;    /* [hidden, ffn] */
     const uint16_t *next_norm;  /* [hidden]: the next layer's input norm, or the final norm */
     uint16_t *k_cache, *v_cache; /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
-    /* The four weights packed for the AMX kernel (kernels/cpu_amx.py), or all NULL. */
-    const uint16_t *qkv_amx, *o_amx, *gate_up_amx, *down_amx;
+    /* The four weights packed for the pair-layout kernel (kernels/cpu_pair_linear.py), or all NULL. */
+    const uint16_t *qkv_pair, *o_pair, *gate_up_pair, *down_pair;
 } duoserve_layer;
 
-/* Whether bound AMX weights are used (else the stack takes only the small-batch kernel's rows). */
-int duoserve_decode_stack_has_amx(void) { return HAVE_AMX; }
-
-/* The linear the per-op path runs for these rows: AMX on packed weights, else the small-batch kernel. */
-static void linear(const uint16_t *x, int64_t x_stride, const uint16_t *weight, const uint16_t *amx_weight,
+/* The linear the per-op path runs for these rows: the pair-layout kernel on packed weights, else the
+ * small-batch kernel. */
+static void linear(const uint16_t *x, int64_t x_stride, const uint16_t *weight, const uint16_t *pair_weight,
                    const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n, int64_t k, int num_threads)
 {
-#if HAVE_AMX
-    if (amx_weight) {
-        duoserve_amx_linear(x, x_stride, amx_weight, bias, y, rows, n, k, num_threads);
-        return;
-    }
-#else
-    (void)amx_weight;
-#endif
-    duoserve_small_batch_linear(x, x_stride, weight, bias, y, rows, n, k, num_threads);
+    if (pair_weight)
+        duoserve_pair_linear(x, x_stride, pair_weight, bias, y, rows, n, k, num_threads);
+    else
+        duoserve_small_batch_linear(x, x_stride, weight, bias, y, rows, n, k, num_threads);
 }
 
 /* The shape of the model and of the step. */
@@ -91,7 +81,7 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
     uint16_t *out = act + rows * ffn;      /* [rows, hidden] */
     for (int64_t l = 0; l < num_layers; l++) {
         const duoserve_layer *layer = layers + l;
-        linear(x, hidden, layer->qkv_weight, layer->qkv_amx, layer->qkv_bias, qkv, rows, qkv_size, hidden,
+        linear(x, hidden, layer->qkv_weight, layer->qkv_pair, layer->qkv_bias, qkv, rows, qkv_size, hidden,
                num_threads);
         duoserve_rotary(qkv, qkv_size, q_size / HEAD_DIM, qkv + q_size, qkv_size, step->num_kv_heads,
                         step->cos_table, step->sin_table, rows, HEAD_DIM / 2, num_threads);
@@ -101,12 +91,12 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
         duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, step->block_tables, step->context_lens,
                                         attn, rows, step->num_kv_heads, step->max_blocks, step->scale,
                                         num_threads);
-        linear(attn, q_size, layer->o_weight, layer->o_amx, NULL, out, rows, hidden, q_size, num_threads);
+        linear(attn, q_size, layer->o_weight, layer->o_pair, NULL, out, rows, hidden, q_size, num_threads);
         duoserve_add_rms_norm(out, residual, layer->post_norm, x, rows, hidden, step->eps, num_threads);
-        linear(x, hidden, layer->gate_up_weight, layer->gate_up_amx, NULL, gate_up, rows, 2 * ffn, hidden,
+        linear(x, hidden, layer->gate_up_weight, layer->gate_up_pair, NULL, gate_up, rows, 2 * ffn, hidden,
                num_threads);
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
-        linear(act, ffn, layer->down_weight, layer->down_amx, NULL, out, rows, hidden, ffn, num_threads);
+        linear(act, ffn, layer->down_weight, layer->down_pair, NULL, out, rows, hidden, ffn, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
         if (stop && *stop) return l + 1;
     }

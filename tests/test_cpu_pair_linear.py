@@ -1,4 +1,5 @@
-"""The AMX linear kernel against float32 matmuls, its packing, and its launcher's checks."""
+"""The pair-layout linear kernel against float32 matmuls, on each engine this CPU runs (AVX-512 BF16
+dot products; AMX tiles too where the CPU has them), its packing, and its launcher's checks."""
 
 from __future__ import annotations
 
@@ -6,11 +7,25 @@ import pytest
 import torch
 
 from gpu_worker.linear import Linear
-from kernels.cpu_amx import MAX_ROWS, AmxLinear, load_amx_linear, pack
+from kernels.cpu_pair_linear import MAX_ROWS, PairLinear, load_pair_linear, pack
 from tests.test_cpu_linear_kernel import cpu_has
 
-# Only a CPU without AMX cannot run the kernel; anywhere else a build failure fails here.
-needs_amx = pytest.mark.skipif(not cpu_has("amx_bf16"), reason="this CPU has no AMX-BF16")
+# Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
+needs_bf16_dot = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
+
+ENGINES_HERE = ["avx512_bf16", *(["amx"] if cpu_has("amx_bf16") else [])]
+
+
+@pytest.fixture(params=ENGINES_HERE)
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def load_on(engine: str) -> PairLinear:
+    """The kernel on `engine`, checked to be the one that runs."""
+    kernel = load_pair_linear(allow_amx=engine == "amx")
+    assert kernel.engine == engine
+    return kernel
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -30,49 +45,51 @@ def test_pack_puts_each_pair_of_inputs_beside_its_output() -> None:
         pack(torch.zeros(24, 64, dtype=torch.bfloat16))  # outputs not in 16s
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 48, 63, 64, 65, 130])
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 15, 16, 17, 33, 48, 63, 64, 65, 130])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("out_features", [96, 80])  # 6 or 5 strips of 16 columns: pairs, and one alone
-def test_kernel_matches_a_float32_matmul(rows: int, with_bias: bool, out_features: int) -> None:
-    """Every count of row tiles (1 or 2 per 32-row pass, the last one partial), several passes,
-    and strips taken in pairs with an odd one left."""
+# 6, 5 or 11 strips of 16 columns: in pairs with or without one alone (AMX); in runs of 4 and
+# fewer per thread (dot products)
+@pytest.mark.parametrize("out_features", [96, 80, 176])
+def test_kernel_matches_a_float32_matmul(engine: str, rows: int, with_bias: bool, out_features: int) -> None:
+    """Every count of row tiles (AMX: 1 or 2 per 32-row pass, the last one partial; dot products:
+    blocks of 6 rows and a shorter last one), several passes, and every shape of strip group."""
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, 160, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
     x = torch.randn(rows, 160, generator=gen).bfloat16()
-    out = load_amx_linear()(x, pack(weight), bias)
+    out = load_on(engine)(x, pack(weight), bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     expected = reference(x, weight, bias)
     # float32 sums in another order, then one bfloat16 rounding (half an ulp: 2^-8 relative)
     torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-2)
 
 
-@needs_amx
-def test_rows_are_computed_alike_in_any_batch() -> None:
-    """A row's result does not depend on which other rows share its step (tiles are per row)."""
+@needs_bf16_dot
+def test_rows_are_computed_alike_in_any_batch(engine: str) -> None:
+    """A row's result does not depend on which other rows share its step (sums are per row)."""
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(48, 64, generator=gen).bfloat16()
     x = torch.randn(40, 64, generator=gen).bfloat16()
-    kernel, packed = load_amx_linear(), pack(weight)
+    kernel, packed = load_on(engine), pack(weight)
     whole = kernel(x, packed)
     for start, stop in ((0, 1), (5, 22), (17, 40)):
         assert torch.equal(kernel(x[start:stop], packed), whole[start:stop])
 
 
-@needs_amx
-def test_rows_may_be_strided() -> None:
+@needs_bf16_dot
+def test_rows_may_be_strided(engine: str) -> None:
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(32, 64, generator=gen).bfloat16()
     wide = torch.randn(20, 96, generator=gen).bfloat16()
     x = wide[:, 16:80]  # rows 96 elements apart
-    out = load_amx_linear()(x, pack(weight))
-    assert torch.equal(out, load_amx_linear()(x.contiguous(), pack(weight)))
+    out = load_on(engine)(x, pack(weight))
+    assert torch.equal(out, load_on(engine)(x.contiguous(), pack(weight)))
 
 
-@needs_amx
-def test_launcher_rejects_what_the_kernel_cannot_read() -> None:
-    kernel = load_amx_linear()
+@needs_bf16_dot
+def test_launcher_rejects_what_the_kernel_cannot_read(engine: str) -> None:
+    kernel = load_on(engine)
     weight = torch.randn(32, 64).bfloat16()
     packed = pack(weight)
     with pytest.raises(ValueError, match="x"):
@@ -86,20 +103,21 @@ def test_launcher_rejects_what_the_kernel_cannot_read() -> None:
     with pytest.raises(ValueError, match="bias"):
         kernel(torch.randn(4, 64).bfloat16(), packed, torch.zeros(16, dtype=torch.bfloat16))
     assert kernel(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
-    assert not AmxLinear.supports(torch.zeros(32, 48, dtype=torch.bfloat16))  # inputs not in 32s
+    assert not PairLinear.supports(torch.zeros(32, 48, dtype=torch.bfloat16))  # inputs not in 32s
 
 
-@needs_amx
-def test_linear_takes_amx_up_to_its_rows_then_onednn() -> None:
+@needs_bf16_dot
+def test_linear_takes_the_pair_kernel_up_to_its_rows_then_onednn(engine: str) -> None:
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(64, 96, generator=gen).bfloat16()
     bias = torch.randn(64, generator=gen).bfloat16()
-    kernel = load_amx_linear()
-    linear = Linear(weight, bias, packed=True, amx=kernel)
-    assert linear.amx_weight is not None
+    kernel = load_on(engine)
+    linear = Linear(weight, bias, packed=True, pair=kernel)
+    assert linear.pair_engine == engine
+    assert linear.pair_weight is not None
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, 96, generator=gen).bfloat16()
-        assert torch.equal(linear(x), kernel(x, linear.amx_weight, bias))
+        assert torch.equal(linear(x), kernel(x, linear.pair_weight, bias))
     x = torch.randn(MAX_ROWS + 1, 96, generator=gen).bfloat16()
     expected = torch.ops.mkldnn._linear_pointwise(
         x, torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias, "none", [], ""
