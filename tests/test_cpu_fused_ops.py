@@ -164,36 +164,42 @@ def test_smollm2_fused_forward_matches_the_unfused_one(
     """The cpu backend with its fused ops against the same backend without them (the unfused
     torch path around the same C decode kernel), on one mixed batch."""
     config, weights = smollm2
-    model = LlamaModel(config, dtype, "cpu")
-    model.load_weights(weights)
     prompts = [list(range(200 + 7 * i, 200 + 7 * i + n)) for i, n in enumerate((19, 40, 33))]
-    fused = make_attention("cpu", config, dtype, torch.device("cpu"), 16)
-    assert isinstance(fused, CpuPagedAttention) and fused.fused_ops is not None
-    unfused = CpuPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, kernel=fused.kernel)
+    tables = [[0, 1], [2, 3, 4], [5, 6, 7]]
+    first = [  # sequence 2 stops short of its prompt's end: no logits for it
+        ScheduledChunk(prompts[0], 0, tables[0], True),
+        ScheduledChunk(prompts[1], 0, tables[1], True),
+        ScheduledChunk(prompts[2][:20], 0, tables[2], False),
+    ]
+    second = [  # two decodes and the rest of the third prompt
+        ScheduledChunk([11], 19, tables[0], True),
+        ScheduledChunk([12], 40, tables[1], True),
+        ScheduledChunk(prompts[2][20:], 20, tables[2], True),
+    ]
     logits = {}
-    for name, attention in (("fused", fused), ("unfused", unfused)):
+    for name, step_dtype in (("fused", dtype), ("unfused", dtype), ("float32", torch.float32)):
+        model = LlamaModel(config, step_dtype, "cpu")
+        model.load_weights(weights)
+        attention = make_attention("cpu", config, step_dtype, torch.device("cpu"), 16)
+        assert isinstance(attention, CpuPagedAttention) and attention.fused_ops is not None
+        if name != "fused":  # the unfused torch path around the same C decode kernel
+            attention = CpuPagedAttention(
+                config.num_heads, config.num_kv_heads, config.head_dim, kernel=attention.kernel
+            )
         model.use_attention(attention)
         assert (model.fused_ops is not None) == (name == "fused")
-        kv = allocate_kv_cache(config, 16, 16, dtype, torch.device("cpu"))
-        tables = [[0, 1], [2, 3, 4], [5, 6, 7]]
-        first = [  # sequence 2 stops short of its prompt's end: no logits for it
-            ScheduledChunk(prompts[0], 0, tables[0], True),
-            ScheduledChunk(prompts[1], 0, tables[1], True),
-            ScheduledChunk(prompts[2][:20], 0, tables[2], False),
-        ]
-        second = [  # two decodes and the rest of the third prompt
-            ScheduledChunk([11], 19, tables[0], True),
-            ScheduledChunk([12], 40, tables[1], True),
-            ScheduledChunk(prompts[2][20:], 20, tables[2], True),
-        ]
-        logits[name] = [model(build_forward_batch(step, 16, "cpu"), kv) for step in (first, second)]
-    for with_ops, without in zip(logits["fused"], logits["unfused"], strict=True):
+        kv = allocate_kv_cache(config, 16, 16, step_dtype, torch.device("cpu"))
+        logits[name] = [model(build_forward_batch(step, 16, "cpu"), kv).float() for step in (first, second)]
+    for with_ops, without, exact in zip(logits["fused"], logits["unfused"], logits["float32"], strict=True):
         assert with_ops.argmax(-1).tolist() == without.argmax(-1).tolist()
-        # float32: the same function to rounding. bfloat16: the paths round alike op by op but
-        # reduce in another order; 30 layers carry that to a bfloat16 step (0.125 at logits of
-        # 16..32) on many logits, and to a few steps on some. How far the mean moves depends on
-        # every op's rounding: the decode kernel's AVX-512 path (as exact as its scalar one: both
-        # within bfloat16 rounding of a float64 reference) took it from under 0.15 to 0.165.
-        tolerance = {"rtol": 1e-3, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 0.05, "atol": 1.0}
-        torch.testing.assert_close(with_ops, without, **tolerance)
-        assert float((with_ops - without).abs().mean()) < (1e-4 if dtype == torch.float32 else 0.2)
+        if dtype == torch.float32:  # the same function to rounding
+            torch.testing.assert_close(with_ops, without, rtol=1e-3, atol=1e-3)
+            assert float((with_ops - without).abs().mean()) < 1e-4
+            continue
+        # bfloat16: the paths round alike op by op but reduce in other orders (the fused one's
+        # prefill attention is a C kernel, the unfused one's torch's), and over 30 layers each
+        # drifts from float32 by about 0.125 (a bfloat16 step at logits of 16..32) on many logits
+        # and by a few steps on some. The fused path must not drift further than the unfused one.
+        ours, theirs = (with_ops - exact).abs(), (without - exact).abs()
+        assert ours.max() <= 2 * theirs.max() + 0.25
+        assert ours.mean() <= 1.5 * theirs.mean() + 0.02
