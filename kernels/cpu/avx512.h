@@ -16,6 +16,16 @@ static inline __m512 widen16_bf16(__m256i bits)
 /* The 16 bfloat16 values at p as float32. */
 static inline __m512 load16_bf16(const uint16_t *p) { return widen16_bf16(_mm256_loadu_si256((const __m256i *)p)); }
 
+#ifdef __AVX512BF16__
+/* The bfloat16 pair at p[0], p[1] in all 16 lanes: the A operand of a vdpbf16ps row product. */
+static inline __m512bh broadcast_pair_bf16(const uint16_t *p)
+{
+    int32_t bits;
+    __builtin_memcpy(&bits, p, sizeof(bits));
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+#endif
+
 /* Lane j of the result is the sum of v[j]'s 16 lanes: 16 horizontal sums in one transposing tree. */
 static inline __m512 sum16(const __m512 v[16])
 {

@@ -128,14 +128,6 @@ void duoserve_pair_linear(const uint16_t *x_all, int64_t x_stride, const uint16_
     }
 }
 #else
-/* The bfloat16 pair at element `at` of a row, in all 16 lanes. */
-static inline __m512bh pair_at(const uint16_t *row, int64_t at)
-{
-    int32_t bits;
-    memcpy(&bits, row + at, sizeof(bits));
-    return (__m512bh)_mm512_set1_epi32(bits);
-}
-
 /* y's rows [0, ROWS) x columns of STRIPS strips from `strip` on: x [ROWS, k] (rows x_stride
  * apart) times the strips' pairs (`pairs` = k / 2 rows of 16 columns' pairs each), plus bias. */
 static inline __attribute__((always_inline)) void dot_block(const uint16_t *x, int64_t x_stride, const uint16_t *strip,
@@ -153,7 +145,7 @@ static inline __attribute__((always_inline)) void dot_block(const uint16_t *x, i
         for (int s = 0; s < STRIPS; s++) w[s] = (__m512bh)_mm512_loadu_si512(strip + (s * pairs + c) * 32);
 #pragma GCC unroll 6
         for (int r = 0; r < ROWS; r++) {
-            const __m512bh a = pair_at(x + r * x_stride, 2 * c);
+            const __m512bh a = broadcast_pair_bf16(x + r * x_stride + 2 * c);
 #pragma GCC unroll 4
             for (int s = 0; s < STRIPS; s++) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], a, w[s]);
         }

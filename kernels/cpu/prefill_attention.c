@@ -178,14 +178,6 @@ static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t 
 #endif
 }
 #else
-/* The bfloat16 pair at element `at` of a row, in all 16 lanes. */
-static inline __m512bh pair_of(const uint16_t *row, int64_t at)
-{
-    int32_t bits;
-    memcpy(&bits, row + at, sizeof(bits));
-    return (__m512bh)_mm512_set1_epi32(bits);
-}
-
 /* As the tile version: acc[r] += (row r's pair p) . (packed row p: 16 columns' pairs), for each p. */
 static void scores_block(const uint16_t *queries, const uint16_t *keys, float *scores, int64_t width)
 {
@@ -194,7 +186,7 @@ static void scores_block(const uint16_t *queries, const uint16_t *keys, float *s
     for (int s = 0; s < DSTEPS; s++)
         for (int p = 0; p < 16; p++) {
             const __m512bh column_pairs = (__m512bh)_mm512_loadu_si512(keys + s * 512 + p * 32);
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(queries + r * D, s * 32 + 2 * p), column_pairs);
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_dpbf16_ps(acc[r], broadcast_pair_bf16(queries + r * D + s * 32 + 2 * p), column_pairs);
         }
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + r * width, acc[r]);
 }
@@ -209,7 +201,7 @@ static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t 
             for (int p = 0; p < 16; p++) {
                 const __m512bh column_pairs = (__m512bh)_mm512_loadu_si512(block + p * 32);
                 for (int r = 0; r < 16; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(probs + r * width, c * 32 + 2 * p), column_pairs);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], broadcast_pair_bf16(probs + r * width + c * 32 + 2 * p), column_pairs);
             }
         }
         for (int r = 0; r < 16; r++) _mm512_storeu_ps(outputs + r * D + o * 16, acc[r]);
