@@ -31,6 +31,7 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
+from kernels.cpu_build import AMX
 from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from kernels.cpu_prefill import load_prefill_attention
@@ -197,7 +198,7 @@ def make_attention(
                 model_config.head_dim,
                 model_config.num_heads // model_config.num_kv_heads,
                 block_size,
-                allow_amx=pair is not None and pair.engine == "amx",
+                allow_amx=pair is not None and pair.engine == AMX,
             )
         except KernelBuildError as exc:
             log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)

@@ -102,3 +102,21 @@ def load(path: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelBuildError(f"cannot load {path}: {exc}") from exc
+
+
+# What a kernel with two engines multiplies on (kernels/cpu/pair_linear.c, prefill_attention.c).
+AMX = "amx"  # AMX tiles
+BF16_DOT = "avx512_bf16"  # AVX-512 BF16 dot products
+
+
+def load_engine(
+    source_name: str, defines: dict[str, int], uses_amx: str, allow_amx: bool = True
+) -> tuple[ctypes.CDLL, str]:
+    """The library of a two-engine kernel, and its engine: AMX where the CPU has it, `allow_amx`
+    and Linux grants this process the tile state, else AVX-512 BF16 dot products (the source's
+    -DNO_AMX=1 build). `uses_amx` names the library's function that says which it was built for."""
+    library = load(build(source_name, {**defines, "NO_AMX": int(not allow_amx)}))
+    if getattr(library, uses_amx)() and library.duoserve_amx_init() != 0:
+        # AMX is there but Linux did not grant the tile state: the other engine runs.
+        library = load(build(source_name, {**defines, "NO_AMX": 1}))
+    return library, AMX if getattr(library, uses_amx)() else BF16_DOT

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, build, load
+from kernels.cpu_build import KernelBuildError, load_engine
 from kernels.cpu_linear import LINEAR_ARGTYPES, check_bias, check_input, run_linear
 
 MAX_ROWS = 64  # the worker takes oneDNN past this
@@ -47,7 +47,7 @@ class PairLinear:
 
     def __init__(self, function: Callable[..., None], engine: str) -> None:
         self._function = function
-        self.engine = engine  # what multiplies: "amx" (tiles) or "avx512_bf16" (dot products)
+        self.engine = engine  # what multiplies: cpu_build.AMX or cpu_build.BF16_DOT
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -86,11 +86,7 @@ def load_pair_linear(allow_amx: bool = True) -> PairLinear:
     `allow_amx`), else on AVX-512 BF16; KernelBuildError where neither can run."""
     with _lock:
         if allow_amx not in _functions:
-            library = load(build("pair_linear.c", {"NO_AMX": int(not allow_amx)}))
-            if library.duoserve_pair_linear_uses_amx() and library.duoserve_amx_init() != 0:
-                # AMX is there but Linux did not grant the tile state: the other engine runs.
-                library = load(build("pair_linear.c", {"NO_AMX": 1}))
-            engine = "amx" if library.duoserve_pair_linear_uses_amx() else "avx512_bf16"
+            library, engine = load_engine("pair_linear.c", {}, "duoserve_pair_linear_uses_amx", allow_amx)
             loaded = library.duoserve_pair_linear
             loaded.restype = None
             loaded.argtypes = LINEAR_ARGTYPES

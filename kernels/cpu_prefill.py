@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, build, load
+from kernels.cpu_build import KernelBuildError, load_engine
 
 HEAD_DIMS = (32, 64)
 
@@ -115,7 +115,7 @@ def plan_chunks(chunks: Sequence[Chunk]) -> PrefillPlan:
 
 class CpuPrefillAttention:
     """The loaded kernel for one head_dim; call it per layer with the step's `plan_chunks`.
-    `engine` says what multiplies: "amx" (tiles) or "avx512_bf16" (dot products)."""
+    `engine` says what multiplies: cpu_build.AMX (tiles) or cpu_build.BF16_DOT (dot products)."""
 
     def __init__(self, function: Callable[..., int], head_dim: int, engine: str) -> None:
         self._function = function
@@ -205,11 +205,12 @@ def load_prefill_attention(head_dim: int, allow_amx: bool = True) -> CpuPrefillA
     with _lock:
         key = (head_dim, allow_amx)
         if key not in _functions:
-            library = load(build("prefill_attention.c", {"HEAD_DIM": head_dim, "NO_AMX": int(not allow_amx)}))
-            if library.duoserve_prefill_attention_uses_amx() and library.duoserve_amx_init() != 0:
-                # AMX is there but Linux did not grant the tile state: the other engine runs.
-                library = load(build("prefill_attention.c", {"HEAD_DIM": head_dim, "NO_AMX": 1}))
-            engine = "amx" if library.duoserve_prefill_attention_uses_amx() else "avx512_bf16"
+            library, engine = load_engine(
+                "prefill_attention.c",
+                {"HEAD_DIM": head_dim},
+                "duoserve_prefill_attention_uses_amx",
+                allow_amx,
+            )
             loaded = library.duoserve_prefill_attention
             loaded.restype = ctypes.c_int
             loaded.argtypes = _ARGTYPES

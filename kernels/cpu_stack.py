@@ -27,7 +27,7 @@ import torch
 
 from kernels import cpu_pair_linear
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, build, load
+from kernels.cpu_build import KernelBuildError, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
 from kernels.cpu_linear import MAX_ROWS
 
@@ -344,7 +344,7 @@ def load_cpu_decode_stack(
     key = (head_dim, group, block_size, allow_amx)
     with _lock:
         if key not in _loaded:
-            path = build(
+            library, engine = load_engine(
                 "decode_stack.c",
                 {
                     "HEAD_DIM": head_dim,
@@ -352,10 +352,10 @@ def load_cpu_decode_stack(
                     "BLOCK": block_size,
                     "ELEM_BF16": 1,
                     "MAX_ROWS": MAX_ROWS,
-                    "NO_AMX": int(not allow_amx),
                 },
+                "duoserve_pair_linear_uses_amx",
+                allow_amx,
             )
-            library = load(path)
             function = library.duoserve_decode_stack
             function.restype = ctypes.c_int64  # layers run
             function.argtypes = [
@@ -367,7 +367,6 @@ def load_cpu_decode_stack(
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            engine = "amx" if library.duoserve_pair_linear_uses_amx() else "avx512_bf16"
             _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine)
         return _loaded[key]
 

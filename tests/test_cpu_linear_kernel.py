@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpu_worker.linear import Linear, packed_linear_available
+from kernels.cpu_build import AMX, BF16_DOT
 from kernels.cpu_linear import MAX_ROWS, SmallBatchLinear, load_small_batch_linear
 from scheduler.model_files import find_default_model
 
@@ -22,6 +23,12 @@ def cpu_has(flag: str) -> bool:
 
 def has_avx512_bf16() -> bool:
     return cpu_has("avx512_bf16")
+
+
+def engines_here() -> list[str]:
+    """The engines a two-engine CPU kernel runs on here: dot products wherever AVX-512 BF16 is,
+    AMX tiles too where the CPU has them."""
+    return [BF16_DOT, *([AMX] if cpu_has("amx_bf16") else [])]
 
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.

@@ -7,23 +7,22 @@ import pytest
 import torch
 
 from gpu_worker.linear import Linear
+from kernels.cpu_build import AMX
 from kernels.cpu_pair_linear import MAX_ROWS, PairLinear, load_pair_linear, pack
-from tests.test_cpu_linear_kernel import cpu_has
+from tests.test_cpu_linear_kernel import cpu_has, engines_here
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
 needs_bf16_dot = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
 
-ENGINES_HERE = ["avx512_bf16", *(["amx"] if cpu_has("amx_bf16") else [])]
 
-
-@pytest.fixture(params=ENGINES_HERE)
+@pytest.fixture(params=engines_here())
 def engine(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 def load_on(engine: str) -> PairLinear:
     """The kernel on `engine`, checked to be the one that runs."""
-    kernel = load_pair_linear(allow_amx=engine == "amx")
+    kernel = load_pair_linear(allow_amx=engine == AMX)
     assert kernel.engine == engine
     return kernel
 

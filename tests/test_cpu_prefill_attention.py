@@ -7,24 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_build import KernelBuildError
+from kernels.cpu_build import AMX, KernelBuildError
 from kernels.cpu_prefill import Chunk, CpuPrefillAttention, load_prefill_attention, plan_chunks
-from tests.test_cpu_linear_kernel import cpu_has
+from tests.test_cpu_linear_kernel import cpu_has, engines_here
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
 pytestmark = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
 
-ENGINES_HERE = ["avx512_bf16", *(["amx"] if cpu_has("amx_bf16") else [])]
 
-
-@pytest.fixture(params=ENGINES_HERE)
+@pytest.fixture(params=engines_here())
 def engine(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 def load_on(engine: str, head_dim: int) -> CpuPrefillAttention:
     """The kernel on `engine`, checked to be the one that runs."""
-    kernel = load_prefill_attention(head_dim, allow_amx=engine == "amx")
+    kernel = load_prefill_attention(head_dim, allow_amx=engine == AMX)
     assert kernel.engine == engine
     return kernel
 
