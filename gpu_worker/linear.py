@@ -5,8 +5,7 @@ with its packed-weight kernel: measured here 1.3-1.5x faster than `F.linear` for
 decode step (weights stream from memory every step, and `F.linear` re-reads them in their
 plain layout) and for long prefill chunks. Decode-sized steps, 1 to 64 rows, take duoserve's
 pair-layout kernel where it builds (kernels/cpu_pair_linear.py: AMX tiles or AVX-512 BF16 dot
-products, 10-45% faster than oneDNN there), else, for one or two rows, the AVX-512 BF16
-small-batch kernel (kernels/cpu_linear.py). Elsewhere `F.linear` is used as is.
+products, 10-45% faster than oneDNN there). Elsewhere `F.linear` is used as is.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_pair_linear
-from kernels.cpu_linear import MAX_ROWS, KernelBuildError, SmallBatchLinear, load_small_batch_linear
-from kernels.cpu_pair_linear import PairLinear, load_pair_linear
+from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
 log = logging.getLogger(__name__)
 
@@ -39,46 +37,30 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-_kernels: dict[str, SmallBatchLinear | PairLinear | None] = {}  # a name is absent until tried once
+_pair: list[PairLinear | None] = []  # empty until tried once
 _kernels_lock = threading.Lock()
-
-
-def small_batch_kernel() -> SmallBatchLinear | None:
-    """The small-batch linear kernel, or None where it cannot be built (said once in the log)."""
-    kernel = _kernel("small-batch", load_small_batch_linear)
-    assert kernel is None or isinstance(kernel, SmallBatchLinear)
-    return kernel
 
 
 def pair_kernel() -> PairLinear | None:
     """The pair-layout linear kernel, or None where it cannot run (said once in the log, with
     the engine it runs on where it does)."""
-    kernel = _kernel("pair-layout", load_pair_linear)
-    assert kernel is None or isinstance(kernel, PairLinear)
-    return kernel
-
-
-def _kernel(
-    name: str, loader: Callable[[], SmallBatchLinear | PairLinear]
-) -> SmallBatchLinear | PairLinear | None:
     with _kernels_lock:
-        if name not in _kernels:
+        if not _pair:
             try:
-                _kernels[name] = loaded = loader()
-                if isinstance(loaded, PairLinear):
-                    log.info("%s linear kernel multiplies on %s", name, loaded.engine)
+                loaded = load_pair_linear()
+                log.info("pair-layout linear kernel multiplies on %s", loaded.engine)
+                _pair.append(loaded)
             except KernelBuildError as exc:
-                log.info("%s linear kernel unavailable, oneDNN takes its batch sizes: %s", name, exc)
-                _kernels[name] = None
-        return _kernels[name]
+                log.info("pair-layout linear kernel unavailable, oneDNN takes every batch: %s", exc)
+                _pair.append(None)
+        return _pair[0]
 
 
 class Linear:
     """x [T, in] → x @ weight.T (+ bias) [T, out], by the fastest kernel here for T rows.
 
     Not `packed`: `F.linear`. `packed`: oneDNN's packed bfloat16 kernel, except that with `pair`
-    steps of up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`), and
-    without it but with `small_batch`, steps of up to MAX_ROWS rows take the small-batch kernel.
+    steps of up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`).
     """
 
     def __init__(
@@ -86,7 +68,6 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         packed: bool,
-        small_batch: SmallBatchLinear | None = None,
         pair: PairLinear | None = None,
     ) -> None:
         self.weight = weight
@@ -96,8 +77,6 @@ class Linear:
         self._plain_bias = None if bias is None else bias.contiguous()
         self._pair = pair if packed and pair is not None and pair.supports(weight) else None
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
-        usable = packed and self._pair is None and small_batch is not None and small_batch.supports(weight)
-        self._small = small_batch if usable else None
 
     def _pack_for_onednn(self) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_BATCH_HINT)
@@ -113,19 +92,12 @@ class Linear:
         return None if self._pair is None else self._pair.engine
 
     def takes_own_kernel(self, x: torch.Tensor) -> bool:
-        """True when a step of x's rows runs on duoserve's pair-layout or small-batch kernel, not oneDNN."""
-        if x.stride(-1) != 1:
-            return False
-        rows = x.shape[0]
-        if self._pair is not None:
-            return 1 <= rows <= cpu_pair_linear.MAX_ROWS
-        return self._small is not None and 1 <= rows <= MAX_ROWS
+        """True when a step of x's rows runs on duoserve's pair-layout kernel, not oneDNN."""
+        return self._pair is not None and x.stride(-1) == 1 and 1 <= x.shape[0] <= cpu_pair_linear.MAX_ROWS
 
     def _own_kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self._pair is not None and self.pair_weight is not None:
-            return self._pair(x, self.pair_weight, self._plain_bias)
-        assert self._small is not None
-        return self._small(x, self.weight, self._plain_bias)
+        assert self._pair is not None and self.pair_weight is not None
+        return self._pair(x, self.pair_weight, self._plain_bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return _onednn_linear(x, self._onednn_weight, self.bias)
@@ -146,10 +118,9 @@ class GateUpLinear(Linear):
         self,
         weight: torch.Tensor,
         packed: bool,
-        small_batch: SmallBatchLinear | None = None,
         pair: PairLinear | None = None,
     ) -> None:
-        super().__init__(weight, None, packed, small_batch, pair)
+        super().__init__(weight, None, packed, pair)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
         self.post_ops = packed and onednn_post_ops_available()
         half = weight.shape[0] // 2

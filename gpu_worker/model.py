@@ -16,9 +16,8 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import GateUpLinear, Linear, packed_linear_available, pair_kernel, small_batch_kernel
+from gpu_worker.linear import GateUpLinear, Linear, packed_linear_available, pair_kernel
 from gpu_worker.loader import ModelConfig
-from kernels.cpu_linear import SmallBatchLinear
 from kernels.cpu_pair_linear import PairLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
@@ -108,14 +107,12 @@ class DecoderLayer(nn.Module):
         self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
         self.prepare_linears(packed=False)
 
-    def prepare_linears(
-        self, packed: bool, small_batch: SmallBatchLinear | None = None, pair: PairLinear | None = None
-    ) -> None:
+    def prepare_linears(self, packed: bool, pair: PairLinear | None = None) -> None:
         """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, small_batch, pair)
-        self.o_proj = Linear(self.o_weight, None, packed, small_batch, pair)
-        self.gate_up = GateUpLinear(self.gate_up_weight, packed, small_batch, pair)
-        self.down = Linear(self.down_weight, None, packed, small_batch, pair)
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, pair)
+        self.o_proj = Linear(self.o_weight, None, packed, pair)
+        self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair)
+        self.down = Linear(self.down_weight, None, packed, pair)
 
     def forward(
         self,
@@ -279,11 +276,10 @@ class LlamaModel(nn.Module):
         packed = packed_linear_available(self.dtype, self.device)
         own = packed and self.small_batch_linears
         pair = pair_kernel() if own else None
-        small_batch = small_batch_kernel() if own and pair is None else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, small_batch, pair)
-        self.lm_head_linear = Linear(self.lm_head, None, packed, small_batch, pair)
+            layer.prepare_linears(packed, pair)
+        self.lm_head_linear = Linear(self.lm_head, None, packed, pair)
 
     @torch.inference_mode()
     def forward(
@@ -348,9 +344,8 @@ class LlamaModel(nn.Module):
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor | None:
         """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend
-        in bfloat16 with duoserve's own linears, of at most the bound stack's `max_rows` sequences
-        (cpu_pair_linear.MAX_ROWS with the pair-layout kernel, else the small-batch one's MAX_ROWS). None (nothing
-        done) otherwise. The stack is bound to these KV caches on first use."""
+        in bfloat16 with the pair-layout linears, of at most cpu_pair_linear.MAX_ROWS sequences. None
+        (nothing done) otherwise. The stack is bound to these KV caches on first use."""
         attention = self.attention
         if (
             not isinstance(attention, CpuPagedAttention)
@@ -363,8 +358,12 @@ class LlamaModel(nn.Module):
             return None
         key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
+            found = [_pair_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
+            pairs = [weights for weights in found if weights is not None]
+            if len(pairs) != len(found):
+                return None  # a linear without the pair-layout kernel: the per-op path
             engine = layers[0].qkv.pair_engine
-            if engine is not None and engine != attention.decode_stack.pair_engine:
+            if engine != attention.decode_stack.pair_engine:
                 raise ValueError(
                     f"decode stack: its pair-layout linear runs on {attention.decode_stack.pair_engine}, "
                     f"the model's on {engine}"
@@ -382,9 +381,11 @@ class LlamaModel(nn.Module):
                         next_norm=norm.detach(),
                         k_cache=k_cache,
                         v_cache=v_cache,
-                        pair_weights=_pair_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down),
+                        pair_weights=weights,
                     )
-                    for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True)
+                    for layer, norm, (k_cache, v_cache), weights in zip(
+                        layers, norms, kv_caches, pairs, strict=True
+                    )
                 ],
                 self.config.rms_norm_eps,
             )

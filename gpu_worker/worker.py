@@ -24,7 +24,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.linear import pair_kernel, small_batch_kernel
+from gpu_worker.linear import pair_kernel
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
@@ -191,14 +191,14 @@ def make_attention(
         log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
         fused = None
     stack = None
-    if fused is not None and dtype == torch.bfloat16 and small_batch_kernel() is not None:
-        pair = pair_kernel()  # the stack's pair-layout linear runs on the model's linears' engine
-        try:
+    pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 else None
+    if pair is not None:
+        try:  # its pair-layout linear on the model's linears' engine
             stack = load_cpu_decode_stack(
                 model_config.head_dim,
                 model_config.num_heads // model_config.num_kv_heads,
                 block_size,
-                allow_amx=pair is not None and pair.engine == AMX,
+                allow_amx=pair.engine == AMX,
             )
         except KernelBuildError as exc:
             log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)

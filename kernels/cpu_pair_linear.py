@@ -8,30 +8,46 @@ layout that both AMX tiles and AVX-512 BF16 dot products take, and streams the s
 built with one of two engines: AMX tiles where the CPU has AMX-BF16 and Linux grants the tile
 state, else AVX-512 BF16 dot products. Measured over the four linears of SmolLM2's 30 layers,
 weights from memory:
-- AMX, on a 2-core Intel Xeon: 5.9 ms at two rows (the small-batch kernel: 8.1), 8.4 at 16
-  (oneDNN: 12.0), 15.5 at 64 (oneDNN: 16.8);
-- dot products, on a 2-core AMD EPYC: 6.4 ms at one or two rows (the small-batch kernel:
-  7.4-8.0), 10.9 at 16 (oneDNN: 14.2), 33.0 at 64 (oneDNN: 38.3-49.8), 65 at 128 (oneDNN: 75).
+- AMX, on a 2-core Intel Xeon: 5.9 ms at two rows (a plain-layout kernel that streamed each
+  weight row for one or two rows, since removed: 8.1), 8.4 at 16 (oneDNN: 12.0), 15.5 at 64
+  (oneDNN: 16.8);
+- dot products, on a 2-core AMD EPYC: 6.4 ms at one or two rows (the plain-layout kernel:
+  7.4-8.0; oneDNN: 10.8), 10.9 at 16 (oneDNN: 14.2), 33.0 at 64 (oneDNN: 38.3-49.8), 65 at 128
+  (oneDNN: 75).
 The worker sends batches past MAX_ROWS to oneDNN, which is as fast or faster on prefill chunks.
-Where the CPU has neither engine, `load_pair_linear` raises `KernelBuildError` and the worker
-keeps the other kernels.
+Where the CPU has neither engine, `load_pair_linear` raises `KernelBuildError` and oneDNN takes
+every batch.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, load_engine
-from kernels.cpu_linear import LINEAR_ARGTYPES, check_bias, check_input, run_linear
 
 MAX_ROWS = 64  # the worker takes oneDNN past this
 
 _lock = threading.Lock()
 _functions: dict[bool, tuple[Callable[..., None], str]] = {}
+
+# duoserve_pair_linear(x, x_stride, packed weight, bias, y, rows, n, k, threads)
+_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -64,8 +80,13 @@ class PairLinear:
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        check_input(x)
-        k = x.shape[1]
+        require(
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
+            "x",
+            x,
+            "a bfloat16 [rows, in] CPU tensor with contiguous rows",
+        )
+        rows, k = x.shape
         require(
             packed.dim() == 5
             and packed.dtype == torch.bfloat16
@@ -77,8 +98,27 @@ class PairLinear:
             f"a weight of input size {k} from kernels.cpu_pair_linear.pack",
         )
         n = packed.shape[0] * 16
-        check_bias(bias, n)
-        return run_linear(self._function, x, packed, bias, n)
+        if bias is not None:
+            require(
+                bias.shape == (n,) and bias.dtype == torch.bfloat16 and bias.is_contiguous(),
+                "bias",
+                bias,
+                f"a contiguous bfloat16 [{n}] tensor",
+            )
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        if rows:
+            self._function(
+                x.data_ptr(),
+                x.stride(0),
+                packed.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                rows,
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        return out
 
 
 def load_pair_linear(allow_amx: bool = True) -> PairLinear:
@@ -89,7 +129,7 @@ def load_pair_linear(allow_amx: bool = True) -> PairLinear:
             library, engine = load_engine("pair_linear.c", {}, "duoserve_pair_linear_uses_amx", allow_amx)
             loaded = library.duoserve_pair_linear
             loaded.restype = None
-            loaded.argtypes = LINEAR_ARGTYPES
+            loaded.argtypes = _ARGTYPES
             _functions[allow_amx] = (loaded, engine)
         function, engine = _functions[allow_amx]
         return PairLinear(function, engine)

@@ -1,19 +1,17 @@
 """A decode step through every decoder layer in one C call (bfloat16, CPU).
 
-Single-stream decode reads each weight once per token; with the small-batch linear kernel that
-takes about 13 ms a token here for SmolLM2-135M, yet the per-op fused forward took ~24 ms: the
-rest was the cost of calling ~8 ops per layer from Python (~30 us each: checks, tensor
-allocation, the call). `kernels/cpu/decode_stack.c` calls the same C kernels in the same order
-on scratch buffers, so the results are the per-op path's, bit for bit, and the step pays one
-call (more only when the worker has urgent steps to run between layers).
-
-The same holds for decode batches of up to 64 sequences when the layers come with weights packed
-in pairs (kernels/cpu_pair_linear.py): the stack then runs the pair-layout linear where the
-per-op path does, on the same engine (built for it: AMX tiles or AVX-512 BF16 dot products).
+A decode step of a few sequences reads each weight once per token. When this stack was written,
+streaming SmolLM2-135M's weights took about 13 ms a token on the machine of the time, yet the
+per-op fused forward took ~24 ms: the rest was the cost of calling ~8 ops per layer from Python
+(~30 us each: checks, tensor allocation, the call). `kernels/cpu/decode_stack.c`
+calls the same C kernels in the same order on scratch buffers, so the results are the per-op
+path's, bit for bit, and the step pays one call (more only when the worker has urgent steps to
+run between layers). It takes batches of up to cpu_pair_linear.MAX_ROWS rows, its linear built
+for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products).
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
-step. Needs what the small-batch linear kernel needs (AVX-512 BF16); elsewhere
-`load_cpu_decode_stack` raises `KernelBuildError` and the model keeps its per-op forward.
+step. Needs what the pair-layout linear needs; elsewhere `load_cpu_decode_stack` raises
+`KernelBuildError` and the model keeps its per-op forward.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from kernels import cpu_pair_linear
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
-from kernels.cpu_linear import MAX_ROWS
 
 _lock = threading.Lock()
 _loaded: dict[tuple[int, int, int, bool], CpuDecodeStack] = {}
@@ -37,19 +34,15 @@ _loaded: dict[tuple[int, int, int, bool], CpuDecodeStack] = {}
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("qkv_weight", ctypes.c_void_p),
+        ("qkv_pair", ctypes.c_void_p),
         ("qkv_bias", ctypes.c_void_p),
-        ("o_weight", ctypes.c_void_p),
+        ("o_pair", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
-        ("gate_up_weight", ctypes.c_void_p),
-        ("down_weight", ctypes.c_void_p),
+        ("gate_up_pair", ctypes.c_void_p),
+        ("down_pair", ctypes.c_void_p),
         ("next_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
-        ("qkv_pair", ctypes.c_void_p),
-        ("o_pair", ctypes.c_void_p),
-        ("gate_up_pair", ctypes.c_void_p),
-        ("down_pair", ctypes.c_void_p),
     ]
 
 
@@ -73,7 +66,8 @@ class _Step(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class StackLayer:
-    """One decoder layer's tensors, as the per-op forward uses them."""
+    """One decoder layer's tensors, as the per-op forward uses them: the plain weights give the
+    shapes, `pair_weights` are what the stack multiplies by."""
 
     qkv_weight: torch.Tensor  # [q_size + 2 kv_size, hidden]
     qkv_bias: torch.Tensor | None
@@ -84,9 +78,8 @@ class StackLayer:
     next_norm: torch.Tensor  # [hidden]: the next layer's input norm, or the final norm
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack: the stack then
-    # takes up to cpu_pair_linear.MAX_ROWS rows, through the pair-layout kernel.
-    pair_weights: tuple[torch.Tensor, ...] | None = None
+    # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack.
+    pair_weights: tuple[torch.Tensor, ...]
 
 
 class BoundStack:
@@ -103,29 +96,21 @@ class BoundStack:
         self.q_size = self.kv_size * stack.group
         self.ffn = first.down_weight.shape[1]
         self.num_slots = first.k_cache.shape[0] * first.k_cache.shape[1]
-        with_pairs = [layer.pair_weights is not None for layer in layers]
-        require(
-            all(with_pairs) or not any(with_pairs),
-            "layers",
-            layers[0].qkv_weight,
-            "pair-layout weights in all or none",
-        )
-        self.max_rows = cpu_pair_linear.MAX_ROWS if all(with_pairs) else MAX_ROWS
+        self.max_rows = cpu_pair_linear.MAX_ROWS
         for index, layer in enumerate(layers):
             self._check(index, layer)
         self._layers = (_Layer * len(layers))(
             *(
                 _Layer(
-                    layer.qkv_weight.data_ptr(),
+                    layer.pair_weights[0].data_ptr(),
                     None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
-                    layer.o_weight.data_ptr(),
+                    layer.pair_weights[1].data_ptr(),
                     layer.post_norm.data_ptr(),
-                    layer.gate_up_weight.data_ptr(),
-                    layer.down_weight.data_ptr(),
+                    layer.pair_weights[2].data_ptr(),
+                    layer.pair_weights[3].data_ptr(),
                     layer.next_norm.data_ptr(),
                     layer.k_cache.data_ptr(),
                     layer.v_cache.data_ptr(),
-                    *([w.data_ptr() for w in layer.pair_weights] if layer.pair_weights else [None] * 4),
                 )
                 for layer in layers
             )
@@ -160,27 +145,24 @@ class BoundStack:
             hidden % 32 == 0 and q_size % 32 == 0 and ffn % 32 == 0 and kv_size % 16 == 0,
             f"layers[{index}].qkv_weight",
             layer.qkv_weight,
-            "hidden, q_size and ffn multiples of 32, kv_size of 16 (the small-batch linear's tiling)",
+            "hidden, q_size and ffn multiples of 32, kv_size of 16 (the pair-layout linear's tiling)",
         )
-        if layer.pair_weights is not None:
-            names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        require(
+            len(layer.pair_weights) == 4,
+            f"layers[{index}].pair_weights",
+            layer.qkv_weight,
+            "four weights",
+        )
+        for name, packed in zip(names, layer.pair_weights, strict=True):
+            out, k = expected[name]
+            shape = (out // 16, k // 32, 16, 16, 2)
             require(
-                len(layer.pair_weights) == 4,
-                f"layers[{index}].pair_weights",
-                layer.qkv_weight,
-                "four weights",
+                tuple(packed.shape) == shape and packed.dtype == torch.bfloat16 and packed.is_contiguous(),
+                f"layers[{index}].pair_weights ({name})",
+                packed,
+                f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
             )
-            for name, packed in zip(names, layer.pair_weights, strict=True):
-                out, k = expected[name]
-                shape = (out // 16, k // 32, 16, 16, 2)
-                require(
-                    tuple(packed.shape) == shape
-                    and packed.dtype == torch.bfloat16
-                    and packed.is_contiguous(),
-                    f"layers[{index}].pair_weights ({name})",
-                    packed,
-                    f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
-                )
         cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
@@ -351,7 +333,6 @@ def load_cpu_decode_stack(
                     "GROUP": group,
                     "BLOCK": block_size,
                     "ELEM_BF16": 1,
-                    "MAX_ROWS": MAX_ROWS,
                 },
                 "duoserve_pair_linear_uses_amx",
                 allow_amx,

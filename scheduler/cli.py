@@ -162,7 +162,7 @@ WORKER_FLAGS = (
         "--small-batch-linear",
         bool,
         True,
-        "bfloat16 on the CPU: decode-sized linears take duoserve's kernels (AMX: 1-64 rows; else 1-2) "
+        "bfloat16 on the CPU: decode-sized linears (1-64 rows) take duoserve's pair-layout kernel "
         "and decode-only steps of those sizes run all layers in one C call (else oneDNN, op by op)",
     ),
 )

@@ -14,14 +14,12 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import pair_kernel
 from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
 from kernels import cpu_pair_linear
-from kernels.cpu_linear import MAX_ROWS
 from kernels.cpu_stack import BoundStack, StackLayer, load_cpu_decode_stack
-from tests.test_cpu_linear_kernel import has_avx512_bf16
+from tests.cpu_features import has_avx512_bf16
 from tests.worker_steps import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
@@ -52,12 +50,6 @@ def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaMod
         attention.decode_stack = None
     model.use_attention(attention)
     return model, allocate_kv_cache(config, 80, BLOCK_SIZE, torch.bfloat16, CPU)
-
-
-def stack_rows() -> int:
-    """How many rows the stack takes here: with the pair-layout linear (AMX tiles or AVX-512 BF16
-    dot products), up to 64."""
-    return cpu_pair_linear.MAX_ROWS if pair_kernel() is not None else MAX_ROWS
 
 
 class CountingRuns:
@@ -101,7 +93,7 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
         assert torch.equal(logits, per_op(batch, per_op_cache))
         tokens = logits.argmax(-1).tolist()
         lengths = [n + 1 for n in lengths]
-    stacked_steps = 12 if rows <= stack_rows() else 0
+    stacked_steps = 12 if rows <= cpu_pair_linear.MAX_ROWS else 0
     assert counting.runs == stacked_steps
     assert len(boundaries) == (12 * tiny[0].num_layers if with_yield_points else 0)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
@@ -180,7 +172,7 @@ def test_steps_past_the_stacks_rows_take_the_per_op_path(
 ) -> None:
     counting = CountingRuns(monkeypatch)
     model, cache = bfloat16_model(tiny, stack=True)
-    for rows, runs in ((stack_rows(), 1), (stack_rows() + 1, 1)):
+    for rows, runs in ((cpu_pair_linear.MAX_ROWS, 1), (cpu_pair_linear.MAX_ROWS + 1, 1)):
         decode = [ScheduledChunk([5], 3, [s], True) for s in range(rows)]
         model(build_forward_batch(decode, BLOCK_SIZE, CPU), cache)
         assert counting.runs == runs, rows
@@ -200,6 +192,10 @@ def layers_of(model: LlamaModel, cache: KVCache) -> list[StackLayer]:
             norm.detach(),
             k,
             v,
+            tuple(
+                cpu_pair_linear.pack(w.detach())
+                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
+            ),
         )
         for layer, norm, (k, v) in zip(model_layers, norms, cache, strict=True)
     ]
@@ -220,14 +216,15 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
         stack.bind([], config.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[1\]\.o_weight"):
         stack.bind([layers[0], wrong, *layers[2:]], config.rms_norm_eps)
-    packed = [replace(layer, pair_weights=packed_weights(layer)) for layer in layers]
-    with pytest.raises(ValueError, match="pair-layout weights in all or none"):
-        stack.bind([packed[0], *layers[1:]], config.rms_norm_eps)
-    misshapen = replace(packed[1], pair_weights=(packed[1].pair_weights or ())[::-1])
+    misshapen = replace(layers[1], pair_weights=layers[1].pair_weights[::-1])
     with pytest.raises(ValueError, match=r"layers\[1\]\.pair_weights \(qkv_weight\)"):
-        stack.bind([packed[0], misshapen, *packed[2:]], config.rms_norm_eps)
-    assert stack.bind(packed, config.rms_norm_eps).max_rows == cpu_pair_linear.MAX_ROWS
+        stack.bind([layers[0], misshapen, *layers[2:]], config.rms_norm_eps)
+    with pytest.raises(ValueError, match=r"layers\[1\]\.pair_weights"):
+        stack.bind(
+            [layers[0], replace(layers[1], pair_weights=layers[1].pair_weights[:3]), *layers[2:]], 1e-5
+        )
     bound = stack.bind(layers, config.rms_norm_eps)
+    assert bound.max_rows == cpu_pair_linear.MAX_ROWS
     half = config.head_dim // 2
     x = torch.zeros(1, config.hidden_size, dtype=torch.bfloat16)
     args = {
@@ -242,8 +239,11 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
     num_slots = cache[0][0].shape[0] * BLOCK_SIZE
     with pytest.raises(ValueError, match="slots"):
         bound.run(**{**args, "slots": torch.tensor([num_slots])})
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(ValueError, match=r"^residual: "):  # x of 3 rows, the residual of 1
         bound.run(**{**args, "x": torch.zeros(3, config.hidden_size, dtype=torch.bfloat16)})
+    too_many = torch.zeros(cpu_pair_linear.MAX_ROWS + 1, config.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"^x: expected 1\.\.{cpu_pair_linear.MAX_ROWS} rows"):
+        bound.run(**{**args, "x": too_many, "residual": too_many.clone()})
     with pytest.raises(ValueError, match="cos"):
         bound.run(**{**args, "cos": torch.ones(1, half, dtype=torch.float64)})
     with pytest.raises(ValueError, match="context_lens"):
@@ -262,7 +262,7 @@ def test_changing_an_included_source_rebuilds_the_stack(
     shutil.copytree(cpu_build.SOURCES, sources)
     monkeypatch.setattr(cpu_build, "SOURCES", sources)
     monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    defines = {"HEAD_DIM": 16, "GROUP": 2, "BLOCK": 8, "ELEM_BF16": 1, "MAX_ROWS": 2}
+    defines = {"HEAD_DIM": 16, "GROUP": 2, "BLOCK": 8, "ELEM_BF16": 1}
     before = cpu_build.build("decode_stack.c", defines)
     assert cpu_build.build("decode_stack.c", defines) == before  # cached
     included = sources / "fused_ops.c"
@@ -278,8 +278,3 @@ def test_the_stack_builds_at_real_models_shapes(head_dim: int, group: int) -> No
     the others (the attention's AVX-512 path needs head_dim in 32s and blocks in 16s)."""
     stack = load_cpu_decode_stack(head_dim, group, 16)
     assert (stack.head_dim, stack.group, stack.block_size) == (head_dim, group, 16)
-
-
-def packed_weights(layer: StackLayer) -> tuple[torch.Tensor, ...]:
-    weights = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)
-    return tuple(cpu_pair_linear.pack(w) for w in weights)

@@ -9,7 +9,8 @@ import torch
 from gpu_worker.linear import Linear
 from kernels.cpu_build import AMX
 from kernels.cpu_pair_linear import MAX_ROWS, PairLinear, load_pair_linear, pack
-from tests.test_cpu_linear_kernel import cpu_has, engines_here
+from scheduler.model_files import find_default_model
+from tests.cpu_features import cpu_has, engines_here
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
 needs_bf16_dot = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
@@ -123,3 +124,40 @@ def test_linear_takes_the_pair_kernel_up_to_its_rows_then_onednn(engine: str) ->
     )
     assert torch.equal(linear(x), expected)
     torch.testing.assert_close(linear(x).float(), reference(x, weight, bias), rtol=8e-3, atol=1e-2)
+    # No rows (a step whose chunks all stop short of their prompt's end needs no logits).
+    assert linear(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 64)
+
+
+@needs_bf16_dot
+def test_smollm2_decodes_alike_with_and_without_the_pair_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpu_worker.linear
+    from gpu_worker.batch import ScheduledChunk, build_forward_batch
+    from gpu_worker.kv_cache import allocate_kv_cache
+    from gpu_worker.loader import load_model
+    from gpu_worker.model import LlamaModel
+
+    # Without the kernel these steps would go to oneDNN with the SiLU fused into the multiply
+    # (tests/test_gate_up_linear.py), which rounds the MLP otherwise: compare the linears alone.
+    monkeypatch.setattr(gpu_worker.linear, "_post_ops", [False])
+    config, weights = load_model(find_default_model())
+    logits = []
+    for dtype, own in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):
+        model = LlamaModel(config, dtype, "cpu", small_batch_linears=own)
+        model.load_weights(weights)
+        kv = allocate_kv_cache(config, 4, 16, dtype, torch.device("cpu"))
+        prompt = list(range(100, 120))
+        steps = [  # a chunk that needs no logits, the rest of the prompt, then a decode
+            ScheduledChunk(prompt[:12], 0, [0, 1], False),
+            ScheduledChunk(prompt[12:], 12, [0, 1], True),
+            ScheduledChunk([7], 20, [0, 1], True),
+        ]
+        logits.append([model(build_forward_batch([chunk], 16, "cpu"), kv).float() for chunk in steps])
+    assert logits[0][0].shape == logits[1][0].shape == (0, config.vocab_size)  # the chunk without logits
+    for with_kernel, without, exact in zip(*(steps[1:] for steps in logits), strict=True):
+        assert with_kernel.argmax(-1).tolist() == without.argmax(-1).tolist()
+        # Every linear rounds its float32 sums to bfloat16 once, whichever kernel runs, but they
+        # add in different orders, and over 30 layers each bfloat16 path drifts from float32
+        # (up to ~0.5 in a logit here). Running the kernels must not drift further than oneDNN.
+        ours, theirs = (with_kernel - exact).abs(), (without - exact).abs()
+        assert ours.max() <= 2 * theirs.max() + 0.1
+        assert ours.mean() <= 3 * theirs.mean() + 0.02

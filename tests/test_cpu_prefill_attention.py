@@ -9,7 +9,7 @@ import torch
 
 from kernels.cpu_build import AMX, KernelBuildError
 from kernels.cpu_prefill import Chunk, CpuPrefillAttention, load_prefill_attention, plan_chunks
-from tests.test_cpu_linear_kernel import cpu_has, engines_here
+from tests.cpu_features import cpu_has, engines_here
 
 # Only a CPU without AVX-512 BF16 cannot run the kernel; anywhere else a build failure fails here.
 pytestmark = pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gpu_worker.linear as linear
 from gpu_worker.linear import GateUpLinear, onednn_post_ops_available, packed_linear_available, pair_kernel
-from tests.test_cpu_linear_kernel import has_avx512_bf16
+from tests.cpu_features import has_avx512_bf16
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, fresh_r
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from kernels.cpu_decode import load_cpu_decode_attention
 from kernels.cpu_prefill import CpuPrefillAttention, load_prefill_attention
-from tests.test_cpu_linear_kernel import cpu_has
+from tests.cpu_features import cpu_has
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8
 

@@ -1,54 +1,39 @@
 /*
  * A decode step through a run of decoder layers, in one call.
  *
- * At one or two rows every op of a layer is tiny except the weight-streaming linears, so the
- * step's time beyond reading the weights is the cost of calling ops: about 30 microseconds
- * each from Python, eight per layer. This runs the same kernels the per-op path calls, in the
- * same order, on the same buffers: the small-batch linear (qkv, o, gate_up, down), rotary,
- * the KV write, paged decode attention, residual add + RMSNorm and SiLU-and-multiply. So its
- * results are those of the per-op path, bit for bit. With pair-layout weights bound
- * (kernels/cpu_pair_linear.py) the linears run on the pair-layout kernel instead, as the per-op
- * path's do, on the same engine (AMX tiles, or AVX-512 BF16 dot products with -DNO_AMX=1), and
- * batches of up to 64 rows take the stack too. Built by kernels/cpu_stack.py for bfloat16 with
- * the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK) and -DMAX_ROWS (the small-batch
- * kernel's rows).
+ * At a few rows every op of a layer is tiny except the weight-streaming linears, so the step's
+ * time beyond reading the weights is the cost of calling ops: about 30 microseconds each from
+ * Python, eight per layer. This runs the same kernels the per-op path calls, in the same order,
+ * on the same buffers: the pair-layout linear (qkv, o, gate_up, down) on weights packed by
+ * kernels/cpu_pair_linear.py, rotary, the KV write, paged decode attention, residual add +
+ * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit, for
+ * batches of up to 64 rows. The linear runs on the per-op path's engine (AMX tiles, or AVX-512
+ * BF16 dot products with -DNO_AMX=1). Built by kernels/cpu_stack.py for bfloat16 with the
+ * attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK).
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "fused_ops.c"
 #include "paged_decode_attention.c"
-#include "small_batch_linear.c"
 #include "pair_linear.c"
 
 #if !ELEM_BF16
 #error "the decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
 #endif
 
-/* One decoder layer's weights (bfloat16, contiguous) and KV cache. */
+/* One decoder layer's weights (bfloat16) and KV cache. The four linears' weights are packed in
+ * pairs (kernels/cpu_pair_linear.py); their shapes are those of the plain [out, in] weight. */
 typedef struct {
-    const uint16_t *qkv_weight; /* [q_size + 2 kv_size, hidden] */
-    const uint16_t *qkv_bias;   /* [q_size + 2 kv_size] or NULL */
-    const uint16_t *o_weight;   /* [hidden, q_size] */
-    const uint16_t *post_norm;  /* [hidden] */
-    const uint16_t *gate_up_weight; /* [2 ffn, hidden] */
-    const uint16_t *down_weight;    /* [hidden, ffn] */
-    const uint16_t *next_norm;  /* [hidden]: the next layer's input norm, or the final norm */
-    uint16_t *k_cache, *v_cache; /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
-    /* The four weights packed for the pair-layout kernel (kernels/cpu_pair_linear.py), or all NULL. */
-    const uint16_t *qkv_pair, *o_pair, *gate_up_pair, *down_pair;
+    const uint16_t *qkv_pair;     /* [q_size + 2 kv_size, hidden] */
+    const uint16_t *qkv_bias;     /* [q_size + 2 kv_size] or NULL */
+    const uint16_t *o_pair;       /* [hidden, q_size] */
+    const uint16_t *post_norm;    /* [hidden] */
+    const uint16_t *gate_up_pair; /* [2 ffn, hidden] */
+    const uint16_t *down_pair;    /* [hidden, ffn] */
+    const uint16_t *next_norm;    /* [hidden]: the next layer's input norm, or the final norm */
+    uint16_t *k_cache, *v_cache;  /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
 } duoserve_layer;
-
-/* The linear the per-op path runs for these rows: the pair-layout kernel on packed weights, else the
- * small-batch kernel. */
-static void linear(const uint16_t *x, int64_t x_stride, const uint16_t *weight, const uint16_t *pair_weight,
-                   const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n, int64_t k, int num_threads)
-{
-    if (pair_weight)
-        duoserve_pair_linear(x, x_stride, pair_weight, bias, y, rows, n, k, num_threads);
-    else
-        duoserve_small_batch_linear(x, x_stride, weight, bias, y, rows, n, k, num_threads);
-}
 
 /* The shape of the model and of the step. */
 typedef struct {
@@ -81,8 +66,8 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
     uint16_t *out = act + rows * ffn;      /* [rows, hidden] */
     for (int64_t l = 0; l < num_layers; l++) {
         const duoserve_layer *layer = layers + l;
-        linear(x, hidden, layer->qkv_weight, layer->qkv_pair, layer->qkv_bias, qkv, rows, qkv_size, hidden,
-               num_threads);
+        duoserve_pair_linear(x, hidden, layer->qkv_pair, layer->qkv_bias, qkv, rows, qkv_size, hidden,
+                             num_threads);
         duoserve_rotary(qkv, qkv_size, q_size / HEAD_DIM, qkv + q_size, qkv_size, step->num_kv_heads,
                         step->cos_table, step->sin_table, rows, HEAD_DIM / 2, num_threads);
         duoserve_write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache, layer->v_cache,
@@ -91,12 +76,11 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
         duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, step->block_tables, step->context_lens,
                                         attn, rows, step->num_kv_heads, step->max_blocks, step->scale,
                                         num_threads);
-        linear(attn, q_size, layer->o_weight, layer->o_pair, NULL, out, rows, hidden, q_size, num_threads);
+        duoserve_pair_linear(attn, q_size, layer->o_pair, NULL, out, rows, hidden, q_size, num_threads);
         duoserve_add_rms_norm(out, residual, layer->post_norm, x, rows, hidden, step->eps, num_threads);
-        linear(x, hidden, layer->gate_up_weight, layer->gate_up_pair, NULL, gate_up, rows, 2 * ffn, hidden,
-               num_threads);
+        duoserve_pair_linear(x, hidden, layer->gate_up_pair, NULL, gate_up, rows, 2 * ffn, hidden, num_threads);
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
-        linear(act, ffn, layer->down_weight, layer->down_pair, NULL, out, rows, hidden, ffn, num_threads);
+        duoserve_pair_linear(act, ffn, layer->down_pair, NULL, out, rows, hidden, ffn, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
         if (stop && *stop) return l + 1;
     }

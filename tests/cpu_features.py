@@ -1,0 +1,25 @@
+"""What this CPU offers the C kernels, for the tests that need it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kernels.cpu_build import AMX, BF16_DOT
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag."""
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def has_avx512_bf16() -> bool:
+    return cpu_has("avx512_bf16")
+
+
+def engines_here() -> list[str]:
+    """The engines a two-engine CPU kernel runs on here: dot products wherever AVX-512 BF16 is,
+    AMX tiles too where the CPU has them."""
+    return [BF16_DOT, *([AMX] if cpu_has("amx_bf16") else [])]
