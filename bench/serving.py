@@ -266,7 +266,7 @@ def launched_server(
             process.wait()
 
 
-WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging")
+WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging", "exposed_staging_full")
 WORKER_STEP_COUNTERS = ("steps", "forecast_steps")
 
 
@@ -297,6 +297,11 @@ def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dic
         print(
             f"#   worker: busy {delta['busy']:.2f} s, waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
             f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}"
+            + (
+                f" ({delta['exposed_staging_full']:.3f} s of it in steps staged in full)"
+                if "exposed_staging_full" in delta
+                else ""
+            )
             + (
                 f", {delta['forecast_steps']:.0f} of {delta['steps']:.0f} steps forecast"
                 if {"steps", "forecast_steps"} <= delta.keys()

@@ -49,6 +49,7 @@ class WorkerTimes:
     wait: float = 0.0  # idle while sequences were in flight
     staging: float = 0.0
     exposed_staging: float = 0.0
+    exposed_staging_full: float = 0.0  # of it, in steps staged in full (not from a forecast)
     steps: int = 0
     forecast_steps: int = 0  # staged from the worker's forecast of them
     recent: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
@@ -58,6 +59,8 @@ class WorkerTimes:
         self.wait += result.wait_seconds
         self.staging += result.staging_seconds
         self.exposed_staging += result.exposed_staging_seconds
+        if not result.forecast:
+            self.exposed_staging_full += result.exposed_staging_seconds
         self.steps += 1
         self.forecast_steps += result.forecast
         self.recent.append((time.monotonic(), result.compute_seconds, result.wait_seconds))

@@ -68,6 +68,11 @@ class EngineCollector(Collector):
                 "Staging time not hidden behind compute",
                 value=times.exposed_staging,
             ),
+            CounterMetricFamily(
+                "duoserve_worker_exposed_staging_full_seconds",
+                "Of the exposed staging, that of steps staged in full on arrival (new prompts, or not as forecast)",
+                value=times.exposed_staging_full,
+            ),
             CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
             CounterMetricFamily(
                 "duoserve_worker_forecast_steps",

@@ -17,7 +17,7 @@ import zmq
 from protos import worker_pb2
 from protos.running import unpack_running
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Admission, Engine
+from scheduler.engine import Admission, Engine, WorkerTimes
 from scheduler.request import OutputEvent, Request, RequestParams
 
 TOKEN = 42  # what the scripted worker samples, always
@@ -358,3 +358,20 @@ def test_bytes_that_are_no_worker_message_are_skipped() -> None:
         await stop(engine, worker)
 
     asyncio.run(scenario())
+
+
+def test_worker_times_split_exposed_staging_by_how_each_step_was_staged() -> None:
+    times = WorkerTimes()
+    for forecast, exposed in ((False, 0.004), (True, 0.001), (True, 0.002), (False, 0.003)):
+        times.add(
+            worker_pb2.StepResult(
+                compute_seconds=0.01,
+                staging_seconds=0.005,
+                exposed_staging_seconds=exposed,
+                forecast=forecast,
+            )
+        )
+    assert times.steps == 4 and times.forecast_steps == 2
+    assert times.exposed_staging == pytest.approx(0.010)
+    assert times.exposed_staging_full == pytest.approx(0.007)  # the two steps staged in full
+    assert times.staging == pytest.approx(0.020)
