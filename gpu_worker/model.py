@@ -228,7 +228,9 @@ class LlamaModel(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self.lm_head_linear = Linear(self.lm_head, None, packed=False)
-        self._bound_stack: tuple[tuple[object, int, int], BoundStack] | None = None
+        # The decode stack bound to the KV caches it was bound for; None in its place: this model's
+        # linears have no pair-layout weights, so its decode steps take the per-op path.
+        self._bound_stack: tuple[tuple[object, int, int], BoundStack | None] | None = None
 
     @property
     def attention_backend(self) -> str:
@@ -361,7 +363,8 @@ class LlamaModel(nn.Module):
             found = [_pair_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
             pairs = [weights for weights in found if weights is not None]
             if len(pairs) != len(found):
-                return None  # a linear without the pair-layout kernel: the per-op path
+                self._bound_stack = (key, None)  # a linear without the pair-layout kernel
+                return None
             engine = layers[0].qkv.pair_engine
             if engine != attention.decode_stack.pair_engine:
                 raise ValueError(
@@ -390,11 +393,12 @@ class LlamaModel(nn.Module):
                 self.config.rms_norm_eps,
             )
             self._bound_stack = (key, bound)
-        if batch.num_tokens > self._bound_stack[1].max_rows:
+        stack = self._bound_stack[1]
+        if stack is None or batch.num_tokens > stack.max_rows:
             return None
         attention.check_once(batch.decode, kv_caches[0][0])
         cos, sin = attention.fused_ops.cos_sin(batch.positions, self.inv_freq)
-        return self._bound_stack[1].run(
+        return stack.run(
             x,
             residual,
             cos,

@@ -221,7 +221,8 @@ def test_bind_and_run_name_what_they_cannot_take(tiny: tuple[ModelConfig, Any]) 
         stack.bind([layers[0], misshapen, *layers[2:]], config.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[1\]\.pair_weights"):
         stack.bind(
-            [layers[0], replace(layers[1], pair_weights=layers[1].pair_weights[:3]), *layers[2:]], 1e-5
+            [layers[0], replace(layers[1], pair_weights=layers[1].pair_weights[:3]), *layers[2:]],
+            config.rms_norm_eps,
         )
     bound = stack.bind(layers, config.rms_norm_eps)
     assert bound.max_rows == cpu_pair_linear.MAX_ROWS
@@ -278,3 +279,27 @@ def test_the_stack_builds_at_real_models_shapes(head_dim: int, group: int) -> No
     the others (the attention's AVX-512 path needs head_dim in 32s and blocks in 16s)."""
     stack = load_cpu_decode_stack(head_dim, group, 16)
     assert (stack.head_dim, stack.group, stack.block_size) == (head_dim, group, 16)
+
+
+def test_a_model_whose_linears_have_no_pair_layout_weights_decodes_op_by_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inputs of 48 are not in the pair-layout kernel's 32s: its linears stay on oneDNN, and its
+    decode steps take the per-op path (checked once, not at every step) with the same results."""
+    counting = CountingRuns(monkeypatch)
+    odd = save_tiny_llama(
+        tmp_path, hidden_size=48, num_attention_heads=3, num_key_value_heads=1, intermediate_size=96
+    )
+    stacked, stacked_cache = bfloat16_model(odd, stack=True)
+    per_op, per_op_cache = bfloat16_model(odd, stack=False)
+    assert stacked.layers[0].qkv.pair_weight is None  # type: ignore[union-attr]
+    prompt = ScheduledChunk([5, 9, 14, 3, 77, 21, 8], 0, [0, 1], True)
+    for model, cache in ((stacked, stacked_cache), (per_op, per_op_cache)):
+        model(build_forward_batch([prompt], BLOCK_SIZE, CPU), cache)
+    for position in (7, 8):
+        decode = build_forward_batch(
+            [ScheduledChunk([40 + position], position, [0, 1], True)], BLOCK_SIZE, CPU
+        )
+        assert torch.equal(stacked(decode, stacked_cache), per_op(decode, per_op_cache))
+    assert counting.runs == 0
+    assert stacked._bound_stack is not None and stacked._bound_stack[1] is None
