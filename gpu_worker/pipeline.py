@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import logging
 import math
 import queue
@@ -52,7 +53,9 @@ log = logging.getLogger(__name__)
 # Hands on a step's reply maker and the CUDA event after which its tokens are on the host.
 Deliver = Callable[[Callable[[], bytes], "torch.cuda.Event | None"], None]
 
-_RESULTS_ADDRESS = "inproc://duoserve-results"
+# Each pipeline's results socket has an address of its own: a pipeline whose staging thread is
+# still closing its socket must not keep the next pipeline in the process from binding.
+_pipeline_numbers = itertools.count()
 _DEPTH_RECHECK_MS = 1  # with --sbo-depth steps staged, look again this often for room
 
 
@@ -379,7 +382,8 @@ class StepPipeline:
     def _run_overlapped(self) -> None:
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         results_in = context.socket(zmq.PULL)
-        results_in.bind(_RESULTS_ADDRESS)
+        address = f"inproc://duoserve-results-{next(_pipeline_numbers)}"
+        results_in.bind(address)
         staged_queue = _StepQueue()
         stager = threading.Thread(
             target=self._staging_loop, args=(results_in, staged_queue), name="duoserve-staging", daemon=True
@@ -395,7 +399,10 @@ class StepPipeline:
         if self.runner.streams is not None:
             replies: queue.SimpleQueue[Callable[[], bytes] | None] = queue.SimpleQueue()
             finisher = threading.Thread(
-                target=self._finishing_loop, args=(context, replies), name="duoserve-replies", daemon=True
+                target=self._finishing_loop,
+                args=(context, address, replies),
+                name="duoserve-replies",
+                daemon=True,
             )
             finisher.start()
             deliver = lambda reply, _done: replies.put(reply)  # noqa: E731
@@ -407,7 +414,7 @@ class StepPipeline:
             close = stop_finisher
         else:
             results_out = context.socket(zmq.PUSH)
-            results_out.connect(_RESULTS_ADDRESS)
+            results_out.connect(address)
 
             def send_now(reply: Callable[[], bytes], _done: torch.cuda.Event | None) -> None:
                 results_out.send(reply())
@@ -441,11 +448,11 @@ class StepPipeline:
             stager.join(timeout=5)
 
     def _finishing_loop(
-        self, context: zmq.Context, replies: queue.SimpleQueue[Callable[[], bytes] | None]
+        self, context: zmq.Context, address: str, replies: queue.SimpleQueue[Callable[[], bytes] | None]
     ) -> None:
         """Makes each reply (waiting for its step's tokens) and passes it to the staging thread."""
         results_out = context.socket(zmq.PUSH)
-        results_out.connect(_RESULTS_ADDRESS)
+        results_out.connect(address)
         try:
             while (reply := replies.get()) is not None:
                 results_out.send(reply())

@@ -161,6 +161,36 @@ def test_sbo_runs_its_threads_with_the_configured_switch_interval_and_restores_i
     assert sys.getswitchinterval() == before
 
 
+def test_two_sbo_pipelines_in_one_process_each_answer_over_their_own_results_socket(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    # One pipeline keeps running (its results socket bound) while a second one serves two lanes.
+    first = cpu_runner(tiny, "torch", 16)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind("inproc://duoserve-test-first-pipeline")
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect("inproc://duoserve-test-first-pipeline")
+    thread = threading.Thread(target=StepPipeline(worker_side, first, sbo=True).run, daemon=True)
+    thread.start()
+    try:
+        tokens, _ = two_lanes_through_pipeline(
+            lambda socket: StepPipeline(socket, cpu_runner(tiny, "torch", 16), sbo=True), 2, vocab_size=256
+        )
+        assert len(tokens) == 5 and all(len(seq) == 3 for seq in tokens.values())  # a prompt token, 2 decodes
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_U)).SerializeToString())
+        assert scheduler_side.poll(30_000), "the first pipeline stopped answering"
+        message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+        alone = cpu_runner(tiny, "torch", 16)
+        assert sampled(message.result) == sampled(alone.run(alone.stage(prefill_step(1, STEP_U))))
+    finally:
+        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
+        thread.join(timeout=30)
+        scheduler_side.close(linger=0)
+        worker_side.close(linger=0)
+    assert not thread.is_alive()
+
+
 def test_queueing_an_urgent_step_sets_the_flag_its_yield_point_clears_before_running_it() -> None:
     from gpu_worker.pipeline import _Staged, _StepQueue, _UrgentSteps
 
