@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -82,6 +83,27 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
         assert sampled(result) == sampled(alone.run(staged))
 
 
+@contextlib.contextmanager
+def sbo_pipeline(runner: ModelRunner, name: str) -> Iterator[zmq.Socket]:
+    """A real SBO StepPipeline serving `runner` on a thread of its own over inproc://`name`: yields
+    the scheduler's side of the socket, then sends Shutdown and checks that the pipeline stopped."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind(f"inproc://{name}")
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect(f"inproc://{name}")
+    thread = threading.Thread(target=StepPipeline(worker_side, runner, sbo=True).run, daemon=True)
+    thread.start()
+    try:
+        yield scheduler_side
+    finally:
+        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
+        thread.join(timeout=30)
+        scheduler_side.close(linger=0)
+        worker_side.close(linger=0)
+    assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
+
+
 class SlowBoundaries(ModelRunner):
     """A real runner whose block boundaries each take 50 ms longer, so an urgent step surely arrives mid-step."""
 
@@ -103,15 +125,7 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
     expected = sequential_reference(tiny, "torch")
     plain = cpu_runner(tiny, "torch", BLOCK_SIZE)
     runner = SlowBoundaries(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    scheduler_side = context.socket(zmq.PAIR)
-    scheduler_side.bind("inproc://duoserve-test-urgent")
-    worker_side = context.socket(zmq.PAIR)
-    worker_side.connect("inproc://duoserve-test-urgent")
-    pipeline = StepPipeline(worker_side, runner, sbo=True)
-    thread = threading.Thread(target=pipeline.run, daemon=True)
-    thread.start()
-    try:
+    with sbo_pipeline(runner, "duoserve-test-urgent") as scheduler_side:
         started = time.perf_counter()
         scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_A)).SerializeToString())
         time.sleep(0.08)  # step 1 is at its second boundary or so: 6 boundaries of 50 ms each
@@ -127,12 +141,6 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
         # The interrupted step's compute time leaves out the urgent step it ran.
         assert results[1].compute_seconds + results[0].compute_seconds <= wall
         assert results[0].wait_seconds == 0 and results[0].exposed_staging_seconds == 0
-    finally:
-        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
-        thread.join(timeout=10)
-        scheduler_side.close(linger=0)
-        worker_side.close(linger=0)
-    assert not thread.is_alive()
 
 
 class RecordsSwitchInterval(ModelRunner):
@@ -165,15 +173,7 @@ def test_two_sbo_pipelines_in_one_process_each_answer_over_their_own_results_soc
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
     # One pipeline keeps running (its results socket bound) while a second one serves two lanes.
-    first = cpu_runner(tiny, "torch", 16)
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    scheduler_side = context.socket(zmq.PAIR)
-    scheduler_side.bind("inproc://duoserve-test-first-pipeline")
-    worker_side = context.socket(zmq.PAIR)
-    worker_side.connect("inproc://duoserve-test-first-pipeline")
-    thread = threading.Thread(target=StepPipeline(worker_side, first, sbo=True).run, daemon=True)
-    thread.start()
-    try:
+    with sbo_pipeline(cpu_runner(tiny, "torch", 16), "duoserve-test-first-pipeline") as scheduler_side:
         tokens, _ = two_lanes_through_pipeline(
             lambda socket: StepPipeline(socket, cpu_runner(tiny, "torch", 16), sbo=True), 2, vocab_size=256
         )
@@ -183,12 +183,6 @@ def test_two_sbo_pipelines_in_one_process_each_answer_over_their_own_results_soc
         message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
         alone = cpu_runner(tiny, "torch", 16)
         assert sampled(message.result) == sampled(alone.run(alone.stage(prefill_step(1, STEP_U))))
-    finally:
-        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
-        thread.join(timeout=30)
-        scheduler_side.close(linger=0)
-        worker_side.close(linger=0)
-    assert not thread.is_alive()
 
 
 def test_queueing_an_urgent_step_sets_the_flag_its_yield_point_clears_before_running_it() -> None:
