@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from gpu_worker.loader import ModelConfig
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from protos import worker_pb2
-from tests.worker_steps import cpu_runner, prompt_step, save_tiny_llama, two_lanes_through_pipeline
+from tests.worker_steps import (
+    cpu_runner,
+    pipeline_thread,
+    prompt_step,
+    save_tiny_llama,
+    two_lanes_through_pipeline,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,27 +86,6 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
         assert sampled(result) == sampled(alone.run(staged))
 
 
-@contextlib.contextmanager
-def sbo_pipeline(runner: ModelRunner, name: str) -> Iterator[zmq.Socket]:
-    """A real SBO StepPipeline serving `runner` on a thread of its own over inproc://`name`: yields
-    the scheduler's side of the socket, then sends Shutdown and checks that the pipeline stopped."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    scheduler_side = context.socket(zmq.PAIR)
-    scheduler_side.bind(f"inproc://{name}")
-    worker_side = context.socket(zmq.PAIR)
-    worker_side.connect(f"inproc://{name}")
-    thread = threading.Thread(target=StepPipeline(worker_side, runner, sbo=True).run, daemon=True)
-    thread.start()
-    try:
-        yield scheduler_side
-    finally:
-        scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
-        thread.join(timeout=30)
-        scheduler_side.close(linger=0)
-        worker_side.close(linger=0)
-    assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
-
-
 class SlowBoundaries(ModelRunner):
     """A real runner whose block boundaries each take 50 ms longer, so an urgent step surely arrives mid-step."""
 
@@ -125,7 +107,7 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
     expected = sequential_reference(tiny, "torch")
     plain = cpu_runner(tiny, "torch", BLOCK_SIZE)
     runner = SlowBoundaries(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
-    with sbo_pipeline(runner, "duoserve-test-urgent") as scheduler_side:
+    with pipeline_thread(lambda socket: StepPipeline(socket, runner, sbo=True)) as scheduler_side:
         started = time.perf_counter()
         scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_A)).SerializeToString())
         time.sleep(0.08)  # step 1 is at its second boundary or so: 6 boundaries of 50 ms each
@@ -173,7 +155,8 @@ def test_two_sbo_pipelines_in_one_process_each_answer_over_their_own_results_soc
     tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
 ) -> None:
     # One pipeline keeps running (its results socket bound) while a second one serves two lanes.
-    with sbo_pipeline(cpu_runner(tiny, "torch", 16), "duoserve-test-first-pipeline") as scheduler_side:
+    first = cpu_runner(tiny, "torch", 16)
+    with pipeline_thread(lambda socket: StepPipeline(socket, first, sbo=True)) as scheduler_side:
         tokens, _ = two_lanes_through_pipeline(
             lambda socket: StepPipeline(socket, cpu_runner(tiny, "torch", 16), sbo=True), 2, vocab_size=256
         )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,15 +114,13 @@ def two_lanes_through_pipeline(
     """Drive a real StepPipeline over a socket as the scheduler drives DBO: both lanes' prompts at
     once, then each lane's next decode step as soon as its previous result is back, `decodes` per
     lane. Returns every sequence's tokens and the results in arrival order."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    address = f"inproc://duoserve-test-two-lanes-{next(_addresses)}"
-    scheduler_side = context.socket(zmq.PAIR)
-    scheduler_side.bind(address)
-    worker_side = context.socket(zmq.PAIR)
-    worker_side.connect(address)
-    thread = threading.Thread(target=make_pipeline(worker_side).run, daemon=True)
-    thread.start()
+    with pipeline_thread(make_pipeline) as scheduler_side:
+        return _drive_two_lanes(scheduler_side, decodes, vocab_size)
 
+
+def _drive_two_lanes(
+    scheduler_side: zmq.Socket, decodes: int, vocab_size: int
+) -> tuple[dict[int, list[int]], list[worker_pb2.StepResult]]:
     def send(step: worker_pb2.Step) -> None:
         scheduler_side.send(worker_pb2.SchedulerMessage(step=step).SerializeToString())
 
@@ -130,38 +129,53 @@ def two_lanes_through_pipeline(
     computed = {seq_id: length for seqs in TWO_LANES.values() for seq_id, length, _ in seqs}
     left = dict.fromkeys(TWO_LANES, decodes)
     step_ids = itertools.count(1)
+    for lane, seqs in TWO_LANES.items():
+        send(prompt_step(next(step_ids), seqs, lane=lane, vocab_size=vocab_size))
+    outstanding = len(TWO_LANES)
+    while outstanding:
+        assert scheduler_side.poll(30_000), "the pipeline stopped answering"
+        message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+        assert message.WhichOneof("kind") == "result", message
+        result = message.result
+        results.append(result)
+        outstanding -= 1
+        for seq_id, token in tokens_of(result).items():
+            tokens.setdefault(seq_id, []).append(token)
+            computed[seq_id] += 1
+        if left[result.lane]:
+            left[result.lane] -= 1
+            mine = {seq_id: computed[seq_id] - 1 for seq_id, _, _ in TWO_LANES[result.lane]}
+            send(decode_step(next(step_ids), result.lane, mine))
+            outstanding += 1
+    # A step naming a sequence the worker does not hold gets an error naming the step.
+    send(decode_step(999, 0, {77: 3}))
+    assert scheduler_side.poll(30_000)
+    error = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+    assert error.WhichOneof("kind") == "error" and error.error.step_id == 999, error
+    assert "sequence 77" in error.error.message
+    return tokens, results
+
+
+@contextlib.contextmanager
+def pipeline_thread(make_pipeline: Callable[[zmq.Socket], StepPipeline]) -> Iterator[zmq.Socket]:
+    """The pipeline `make_pipeline` makes, run on a thread of its own over an inproc socket pair:
+    yields the scheduler's side, then sends Shutdown and checks that the pipeline stopped."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    address = f"inproc://duoserve-test-pipeline-{next(_addresses)}"
+    scheduler_side = context.socket(zmq.PAIR)
+    scheduler_side.bind(address)
+    worker_side = context.socket(zmq.PAIR)
+    worker_side.connect(address)
+    thread = threading.Thread(target=make_pipeline(worker_side).run, daemon=True)
+    thread.start()
     try:
-        for lane, seqs in TWO_LANES.items():
-            send(prompt_step(next(step_ids), seqs, lane=lane, vocab_size=vocab_size))
-        outstanding = len(TWO_LANES)
-        while outstanding:
-            assert scheduler_side.poll(30_000), "the pipeline stopped answering"
-            message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
-            assert message.WhichOneof("kind") == "result", message
-            result = message.result
-            results.append(result)
-            outstanding -= 1
-            for seq_id, token in tokens_of(result).items():
-                tokens.setdefault(seq_id, []).append(token)
-                computed[seq_id] += 1
-            if left[result.lane]:
-                left[result.lane] -= 1
-                mine = {seq_id: computed[seq_id] - 1 for seq_id, _, _ in TWO_LANES[result.lane]}
-                send(decode_step(next(step_ids), result.lane, mine))
-                outstanding += 1
-        # A step naming a sequence the worker does not hold gets an error naming the step.
-        send(decode_step(999, 0, {77: 3}))
-        assert scheduler_side.poll(30_000)
-        error = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
-        assert error.WhichOneof("kind") == "error" and error.error.step_id == 999, error
-        assert "sequence 77" in error.error.message
+        yield scheduler_side
     finally:
         scheduler_side.send(worker_pb2.SchedulerMessage(shutdown=worker_pb2.Shutdown()).SerializeToString())
         thread.join(timeout=30)
         scheduler_side.close(linger=0)
         worker_side.close(linger=0)
     assert not thread.is_alive(), "the pipeline did not stop on Shutdown"
-    return tokens, results
 
 
 def assert_same_record(
