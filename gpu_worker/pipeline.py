@@ -446,6 +446,8 @@ class StepPipeline:
         finally:
             close()
             stager.join(timeout=5)
+            if stager.is_alive():
+                log.warning("the staging thread did not stop within 5 s of the last reply; leaving it")
 
     def _finishing_loop(
         self, context: zmq.Context, address: str, replies: queue.SimpleQueue[Callable[[], bytes] | None]
