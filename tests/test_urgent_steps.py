@@ -6,7 +6,6 @@ import sys
 import time
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from tests.worker_steps import (
     pipeline_thread,
     prompt_step,
     save_tiny_llama,
+    tokens_of,
     two_lanes_through_pipeline,
 )
 
@@ -32,27 +32,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[st
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def prefill_step(
-    step_id: int, seqs: list[tuple[int, int, list[int]]], urgent: bool = False
-) -> worker_pb2.Step:
-    return prompt_step(step_id, seqs, urgent=urgent)
-
-
 # Step A: three long prompts (the step that gets interrupted); step U: one short prompt (urgent).
 STEP_A = [(1, 60, list(range(0, 8))), (2, 33, list(range(8, 13))), (3, 17, list(range(13, 16)))]
 STEP_U = [(4, 11, [20, 21])]
 
 
-def sampled(result: worker_pb2.StepResult) -> dict[int, int]:
-    seq_ids = np.frombuffer(result.seq_ids, "<u8").tolist()
-    return dict(zip(seq_ids, np.frombuffer(result.token_ids, "<i4").tolist(), strict=True))
-
-
 def sequential_reference(tiny: tuple[ModelConfig, dict[str, torch.Tensor]], backend: str) -> dict[int, int]:
     runner = cpu_runner(tiny, backend, BLOCK_SIZE)
-    first = runner.run(runner.stage(prefill_step(1, STEP_A)))
-    second = runner.run(runner.stage(prefill_step(2, STEP_U, urgent=True)))
-    return sampled(first) | sampled(second)
+    first = runner.run(runner.stage(prompt_step(1, STEP_A)))
+    second = runner.run(runner.stage(prompt_step(2, STEP_U, urgent=True)))
+    return tokens_of(first) | tokens_of(second)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -61,7 +50,7 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
 ) -> None:
     expected = sequential_reference(tiny, backend)
     runner = cpu_runner(tiny, backend, BLOCK_SIZE)
-    outer = runner.stage(prefill_step(1, STEP_A))
+    outer = runner.stage(prompt_step(1, STEP_A))
     # An urgent step at each boundary of the outer one: 3 layers x 2 blocks, or after each of the
     # 3 layers on the fused path.
     boundaries = tiny[0].num_layers * (1 if runner.model.fused_ops is not None else 2)
@@ -69,21 +58,21 @@ def test_a_step_interrupted_at_every_block_boundary_computes_the_same_tokens(
     for index in range(boundaries):
         seq_id = 10 + index
         urgent_steps.append(
-            runner.stage(prefill_step(2 + index, [(seq_id, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
+            runner.stage(prompt_step(2 + index, [(seq_id, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
         )
     urgent_results: list[worker_pb2.StepResult] = []
 
     def run_one_urgent_step() -> None:
         urgent_results.append(runner.run(urgent_steps[len(urgent_results)]))
 
-    got = sampled(runner.finish(runner.execute(outer, run_one_urgent_step)))
+    got = tokens_of(runner.finish(runner.execute(outer, run_one_urgent_step)))
     assert len(urgent_results) == boundaries
     assert got == {k: v for k, v in expected.items() if k in got}
     # Each urgent prompt alone, on a fresh runner, gives the token it got inside the outer step.
     for index, result in enumerate(urgent_results):
         alone = cpu_runner(tiny, backend, BLOCK_SIZE)
-        staged = alone.stage(prefill_step(1, [(10 + index, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
-        assert sampled(result) == sampled(alone.run(staged))
+        staged = alone.stage(prompt_step(1, [(10 + index, 5 + index, [30 + 2 * index, 31 + 2 * index])]))
+        assert tokens_of(result) == tokens_of(alone.run(staged))
 
 
 class SlowBoundaries(ModelRunner):
@@ -109,9 +98,9 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
     runner = SlowBoundaries(plain.model, plain.kv_cache, BLOCK_SIZE, plain.device)
     with pipeline_thread(lambda socket: StepPipeline(socket, runner, sbo=True)) as scheduler_side:
         started = time.perf_counter()
-        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_A)).SerializeToString())
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=prompt_step(1, STEP_A)).SerializeToString())
         time.sleep(0.08)  # step 1 is at its second boundary or so: 6 boundaries of 50 ms each
-        urgent = prefill_step(2, STEP_U, urgent=True)
+        urgent = prompt_step(2, STEP_U, urgent=True)
         scheduler_side.send(worker_pb2.SchedulerMessage(step=urgent).SerializeToString())
         assert scheduler_side.poll(10_000)
         results = [worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result]
@@ -119,7 +108,7 @@ def test_the_pipeline_answers_an_urgent_step_before_the_step_it_interrupts(
         results.append(worker_pb2.WorkerMessage.FromString(scheduler_side.recv()).result)
         wall = time.perf_counter() - started
         assert [r.step_id for r in results] == [2, 1]
-        assert sampled(results[0]) | sampled(results[1]) == expected
+        assert tokens_of(results[0]) | tokens_of(results[1]) == expected
         # The interrupted step's compute time leaves out the urgent step it ran.
         assert results[1].compute_seconds + results[0].compute_seconds <= wall
         assert results[0].wait_seconds == 0 and results[0].exposed_staging_seconds == 0
@@ -161,11 +150,11 @@ def test_two_sbo_pipelines_in_one_process_each_answer_over_their_own_results_soc
             lambda socket: StepPipeline(socket, cpu_runner(tiny, "torch", 16), sbo=True), 2, vocab_size=256
         )
         assert len(tokens) == 5 and all(len(seq) == 3 for seq in tokens.values())  # a prompt token, 2 decodes
-        scheduler_side.send(worker_pb2.SchedulerMessage(step=prefill_step(1, STEP_U)).SerializeToString())
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=prompt_step(1, STEP_U)).SerializeToString())
         assert scheduler_side.poll(30_000), "the first pipeline stopped answering"
         message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
         alone = cpu_runner(tiny, "torch", 16)
-        assert sampled(message.result) == sampled(alone.run(alone.stage(prefill_step(1, STEP_U))))
+        assert tokens_of(message.result) == tokens_of(alone.run(alone.stage(prompt_step(1, STEP_U))))
 
 
 def test_queueing_an_urgent_step_sets_the_flag_its_yield_point_clears_before_running_it() -> None:
