@@ -32,6 +32,24 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class LateInputs:
+    """Input ids of a step staged before the step in front of it finished: decodes whose input is
+    the token that step samples (a lookahead step, see scheduler/planner.py). Staging leaves their
+    rows for `write`, which fills them in from the sequences' token lists just before the forward,
+    once the step in front has appended its tokens."""
+
+    rows: list[int]  # batch token rows
+    token_lists: list[list[int]]  # each row's sequence's tokens, appended to as they are sampled
+    positions: list[int]  # each row's input: token_lists[i][positions[i]]
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        ids = input_ids.numpy()  # [T] int64, on the host
+        for row, tokens, position in zip(self.rows, self.token_lists, self.positions, strict=True):
+            assert position < len(tokens), f"batch row {row}: its input token {position} is not sampled yet"
+            ids[row] = tokens[position]
+
+
+@dataclass(slots=True)
 class DecodeAttention:
     """The single-query sequences (batch rows [0, num_seqs)), attended in one call.
 

@@ -1,14 +1,17 @@
 """The next step, staged while the current one computes (SBO; on a GPU, a long prompt's next window).
 
-A sequence is in at most one in-flight batch, and with the CPU's one decode lane the scheduler
-sends step k+1 only after step k's result: the message that SBO would stage during step k does
-not exist yet. But what it will say is nearly always known: each sequence that samples a token in
-step k decodes it in step k+1, one position further on, and a prompt whose chunk did not reach its
-end goes on with its next window, as long as the last. So right after staging step k, the staging
-thread builds that successor's batch (tokens, positions, slots, block tables, context lengths,
-attention metadata) and the running-sequence arrays the scheduler will send for it, decodes
-first, then prompt windows, each in step k's order. Step k's `finish` writes the sampled tokens
-into the decode rows' input ids.
+What step k+1 will say is nearly always known while step k computes: each sequence that samples
+a token in step k decodes it in step k+1, one position further on, and a prompt whose chunk did
+not reach its end goes on with its next window, as long as the last. So right after staging step
+k, the staging thread builds that successor's batch (tokens, positions, slots, block tables,
+context lengths, attention metadata) and the running-sequence arrays the scheduler will send for
+it, decodes first, then prompt windows, each in step k's order. In a decode-only forecast the
+input ids are step k's token buffer, which its `finish` fills; otherwise the decode rows' inputs
+are late inputs, written in before the forward (batch.LateInputs).
+
+The message itself comes while step k still computes when the scheduler looks ahead
+(scheduler/planner.py), or only after step k's result, without lookahead; either way taking the
+forecast keeps what is left to do after arrival short.
 
 When step k+1 arrives:
 - with exactly those arrays (the common case: the same sequences in the same order), staging is
@@ -42,6 +45,7 @@ import torch
 
 from gpu_worker.batch import (
     ForwardBatch,
+    LateInputs,
     ScheduledChunk,
     build_forward_batch,
     decode_attention,
@@ -62,6 +66,7 @@ class Taken:
     sampled: list[SeqState]  # in logits-row order
     scheduled: list[tuple[SeqState, int]]  # every sequence and its new tokens (see forecast_next_step)
     seconds: float  # spent staging it, the forecast's building included
+    late: LateInputs | None  # the decode rows' inputs, when they are not step k's token buffer itself
 
 
 @dataclass(slots=True)
@@ -84,7 +89,6 @@ class StepForecast:
 
     states: list[SeqState]  # the decode rows: step k's sampled sequences, in its logits order
     windows: list[_Window]
-    tokens: np.ndarray  # [D] int64: step k's sampled tokens (its finish writes them), the rows' inputs
     row_of: dict[int, int]  # sequence id -> row
     expected: worker_pb2.RunningSequences  # Step.running as the scheduler packs it, less the new block ids
     num_computed: np.ndarray  # [D] int64: each sequence's computed tokens when step k+1 comes
@@ -108,10 +112,11 @@ class StepForecast:
             return None
         started = time.perf_counter()
         windows = self.windows
+        late = None
         if self._matches_exactly(step):
             batch, states = self.batch, self.states
             if windows:  # else the input ids are step k's token buffer itself
-                batch.input_ids.numpy()[: len(states)] = self.tokens
+                late = _decode_inputs(states)
             blocks = np.frombuffer(step.running.new_block_ids, dtype="<i4").tolist()
             decode_blocks = blocks[: len(self.block_rows)]
             _write_decode_blocks(
@@ -125,6 +130,7 @@ class StepForecast:
             if selected is None:
                 return None
             batch, states = selected
+            late = _decode_inputs(states)
         else:
             return None
         for state in states:
@@ -134,7 +140,7 @@ class StepForecast:
             window.state.num_computed += window.length
             scheduled.append((window.state, window.length))
         sampled = states + [window.state for window in windows if window.ends_prompt]
-        return Taken(batch, sampled, scheduled, self.seconds + time.perf_counter() - started)
+        return Taken(batch, sampled, scheduled, self.seconds + time.perf_counter() - started, late)
 
     def _matches_exactly(self, step: worker_pb2.Step) -> bool:
         running, expected = step.running, self.expected
@@ -196,6 +202,18 @@ class StepForecast:
             for row, block in zip(rows[sub_rows].tolist(), blocks, strict=True):
                 self.states[row].block_table.append(block)
         return batch, [self.states[row] for row in rows.tolist()]
+
+
+def _decode_inputs(states: list[SeqState]) -> LateInputs | None:
+    """Decode rows 0..D-1's inputs (the tokens step k samples, which it may not have yet): written
+    in before the forward (ModelRunner.execute), like a full staging's late inputs."""
+    if not states:
+        return None
+    return LateInputs(
+        rows=list(range(len(states))),
+        token_lists=[state.token_ids for state in states],
+        positions=[state.num_computed for state in states],
+    )
 
 
 def _views(batch: ForwardBatch) -> tuple[np.ndarray, ...]:
@@ -303,7 +321,6 @@ def forecast_next_step(
         batch=forecast_batch,
         states=sampled,
         windows=window_records,
-        sampled_tokens=sampled_tokens,
         expected=expected,
         num_computed=num_computed,
         table_lens=table_lens,
@@ -358,7 +375,6 @@ def _next_decodes(
         batch=forecast_batch,
         states=states,
         windows=[],
-        sampled_tokens=sampled_tokens,
         expected=expected,
         num_computed=positions,
         table_lens=new_lens,
@@ -372,7 +388,6 @@ def _forecast(
     batch: ForwardBatch,
     states: list[SeqState],
     windows: list[_Window],
-    sampled_tokens: np.ndarray,
     expected: worker_pb2.RunningSequences,
     num_computed: np.ndarray,
     table_lens: np.ndarray,
@@ -385,7 +400,6 @@ def _forecast(
     return StepForecast(
         states=list(states),
         windows=windows,
-        tokens=sampled_tokens,
         row_of={state.seq_id: row for row, state in enumerate(states)},
         expected=expected,
         num_computed=num_computed,

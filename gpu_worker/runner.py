@@ -9,9 +9,15 @@ is queued on the lane's compute stream and the tokens are on their way back to
 pinned memory, so the next step launches without waiting; whoever sends the result
 calls `finish`. Decode-only steps replay a CUDA graph when `graphs` has one.
 
-Stage, execute and finish never touch the same sequence concurrently: the scheduler
-puts a sequence in at most one in-flight batch, and it only schedules a sequence
-again after its previous result, which is sent only after `finish`.
+With lookahead (scheduler/planner.py) a sequence's next step may arrive, and be
+staged, before `finish` has appended the token its current step samples. Staging
+then leaves that decode's input id out (LateInputs) and `execute` writes it in
+just before the forward: on the CPU every pipeline finishes a step before it
+executes the next. Staging alone moves a sequence's computed and known counts and
+its block table, and `finish` alone appends its tokens, so the two never write the
+same field, whichever threads they run on. A GPU pipeline with SBO launches a step
+before the one in front has its tokens back, so it does not take lookahead steps
+(Ready.lookahead) and a late input there is a StepError.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_worker.batch import ForwardBatch, ScheduledChunk, build_forward_batch, upload_batch
+from gpu_worker.batch import ForwardBatch, LateInputs, ScheduledChunk, build_forward_batch, upload_batch
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.forecast import Forecasts, forecast_next_step
 from gpu_worker.kv_cache import KVCache
@@ -47,6 +53,8 @@ class SeqState:
     block_table: list[int]
     num_computed: int
     sampling: SamplingParams
+    # len(token_ids), and one more for each staged step that samples it and has not finished yet.
+    num_known: int
 
 
 @dataclass(slots=True)
@@ -62,6 +70,7 @@ class StagedStep:
     urgent: bool = False  # runs at the next layer boundary of the step in progress (see worker.proto)
     ready: torch.cuda.Event | None = None  # CUDA SBO: the input copies have landed
     forecast: bool = False  # taken from the forecast built while the step before computed
+    late: LateInputs | None = None  # input ids `execute` writes in (CPU lookahead steps)
     # [len(sampled)] int64, filled by `finish`: the next step's input ids (gpu_worker/forecast.py).
     sampled_tokens: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
@@ -95,6 +104,19 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
 
 def _ints(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def _late_inputs(batch: ForwardBatch, late: list[tuple[int, SeqState, int]]) -> LateInputs | None:
+    """`late` (chunk index, sequence, position of its input) as the batch rows to fill in. Late
+    chunks are single-token decodes, so batch sequence n is token row n."""
+    if not late:
+        return None
+    row_of = {chunk: n for n, chunk in enumerate(batch.chunk_order)}
+    return LateInputs(
+        rows=[row_of[chunk] for chunk, _, _ in late],
+        token_lists=[state.token_ids for _, state, _ in late],
+        positions=[position for _, _, position in late],
+    )
 
 
 def _seq_ids_of(step: worker_pb2.Step) -> list[int]:
@@ -152,15 +174,21 @@ class ModelRunner:
         ready = None
         if taken is not None:
             batch, sampled, scheduled, spent = taken.batch, taken.sampled, taken.scheduled, taken.seconds
+            late = taken.late
             if self.device.type != "cpu":  # forecasts are built on the host
+                if late is not None:  # no lookahead here: the step in front has finished
+                    late.write(batch.input_ids)
+                    late = None
                 batch, ready = self._upload(batch, step.lane)
         else:
             try:
-                batch, sampled, scheduled, ready = self._stage_in_full(step)
+                batch, sampled, scheduled, late, ready = self._stage_in_full(step)
             finally:
                 if self.forecasts:  # none filed without SBO: nothing to look up
                     self.forecasts.drop_touching(_seq_ids_of(step))
             spent = 0.0
+        for state in sampled:
+            state.num_known += 1
         return StagedStep(
             step_id=step.step_id,
             lane=step.lane,
@@ -172,6 +200,7 @@ class ModelRunner:
             urgent=step.urgent,
             ready=ready,
             forecast=taken is not None,
+            late=late,
             sampled_tokens=np.empty(len(sampled), dtype=np.int64),
         )
 
@@ -203,9 +232,15 @@ class ModelRunner:
 
     def _stage_in_full(
         self, step: worker_pb2.Step
-    ) -> tuple[ForwardBatch | None, list[SeqState], list[tuple[SeqState, int]], torch.cuda.Event | None]:
-        """The step's batch, its sampled sequences, every sequence with its new tokens, and (CUDA
-        SBO) the event after which its inputs are on the device."""
+    ) -> tuple[
+        ForwardBatch | None,
+        list[SeqState],
+        list[tuple[SeqState, int]],
+        LateInputs | None,
+        torch.cuda.Event | None,
+    ]:
+        """The step's batch, its sampled sequences, every sequence with its new tokens, its late
+        inputs, and (CUDA SBO) the event after which its inputs are on the device."""
         try:
             running = unpack_running(step.running)
         except ValueError as err:
@@ -214,13 +249,15 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         scheduled: list[tuple[SeqState, int]] = []
         for new in step.new_sequences:
+            token_ids = _ints(new.token_ids)
             state = SeqState(
                 seq_id=new.seq_id,
-                token_ids=_ints(new.token_ids),
+                token_ids=token_ids,
                 prompt_len=new.prompt_len,
                 block_table=_ints(new.block_ids),
                 num_computed=new.num_computed_tokens,
                 sampling=sampling_from_proto(new.sampling),
+                num_known=len(token_ids),
             )
             self.seqs[new.seq_id] = state
             scheduled.append((state, new.num_new_tokens))
@@ -242,34 +279,39 @@ class ModelRunner:
             known.block_table.extend(blocks)
             scheduled.append((known, num_new))
 
-        chunks = []
+        chunks: list[ScheduledChunk] = []
         sampled = []
+        late: list[tuple[int, SeqState, int]] = []  # chunk index, sequence, position of its input
         for state, num_new in scheduled:
             end = state.num_computed + num_new
-            if num_new < 1 or end > len(state.token_ids):
+            if num_new < 1 or end > state.num_known:
                 raise StepError(
                     f"step {step.step_id}: sequence {state.seq_id} asks for tokens "
-                    f"{state.num_computed}..{end} of {len(state.token_ids)}"
+                    f"{state.num_computed}..{end} of {state.num_known}"
                 )
-            needs_logits = end == len(state.token_ids)
-            chunks.append(
-                ScheduledChunk(
-                    state.token_ids[state.num_computed : end],
-                    state.num_computed,
-                    state.block_table,
-                    needs_logits,
-                )
-            )
+            needs_logits = end == state.num_known
+            tokens = state.token_ids[state.num_computed : end]  # one read: finish may append meanwhile
+            if len(tokens) < num_new:  # a step staged before this one samples its input
+                if num_new != 1 or self.device.type != "cpu":
+                    raise StepError(
+                        f"step {step.step_id}: sequence {state.seq_id} needs token {len(state.token_ids)}, "
+                        "which a step still in progress samples (this worker takes no lookahead steps "
+                        "with more than one token or on a GPU with SBO)"
+                    )
+                late.append((len(chunks), state, state.num_computed))
+                tokens = [0]
+            chunks.append(ScheduledChunk(tokens, state.num_computed, state.block_table, needs_logits))
             if needs_logits:
                 sampled.append(state)
             state.num_computed = end
         if not chunks:
-            return None, sampled, scheduled, None
+            return None, sampled, scheduled, None, None
         if self.streams is None:
-            return build_forward_batch(chunks, self.block_size, self.device), sampled, scheduled, None
+            batch = build_forward_batch(chunks, self.block_size, self.device)
+            return batch, sampled, scheduled, _late_inputs(batch, late), None
         upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
         batch = build_forward_batch(chunks, self.block_size, self.device, upload)
-        return batch, sampled, scheduled, upload.ready()
+        return batch, sampled, scheduled, None, upload.ready()
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
@@ -278,6 +320,8 @@ class ModelRunner:
         pending = PendingStep(worker_pb2.StepResult(step_id=staged.step_id, lane=staged.lane))
         if staged.batch is None:
             return pending
+        if staged.late is not None:  # the steps in front have finished: their tokens are appended
+            staged.late.write(staged.batch.input_ids)
         slot = self.streams.slot_for_lane(staged.lane) if self.streams is not None else 0
         stream = self.streams.compute[slot] if self.streams is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -346,6 +346,9 @@ def _run(config: WorkerConfig) -> int:
             device=str(device),
             block_size=configure.block_size,
             num_blocks=num_blocks,
+            # A step's late inputs (ModelRunner.stage) are written in before its forward on the CPU;
+            # a GPU pipeline with SBO would launch the step before the token it needs is back.
+            lookahead=device.type == "cpu" or not sbo,
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         # CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread.

@@ -260,12 +260,13 @@ class SchedulerScript:
         seq.computed += length
         return entry
 
-    def decode_entries(self, seq_ids: list[int]) -> list[RunningEntry]:
-        """Each sequence's next decode, with a block added where its new token starts one."""
+    def decode_entries(self, seq_ids: list[int], ahead: int = 0) -> list[RunningEntry]:
+        """Each sequence's next decode, with a block added where its new token starts one. `ahead`:
+        steps in flight that sample for each of them first (a lookahead step decodes their token)."""
         entries = []
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
-            position = len(seq.tokens) - 1
+            position = len(seq.tokens) - 1 + ahead
             new = self.blocks_for(1) if position == len(seq.blocks) * self.block_size else []
             entries.append(RunningEntry(seq_id, position, 1, new))
         return entries

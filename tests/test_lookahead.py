@@ -1,0 +1,195 @@
+"""Lookahead steps on the worker: a step staged before the step in front of it has run.
+
+With lookahead (scheduler/planner.py) the scheduler sends a sequence's next step while its current
+one computes, so the staging thread stages it before the token it decodes is sampled. Those inputs
+are late inputs, written in just before the forward. Here a runner takes every step that way and
+a plain runner takes each step only after running the one before; both must compute the same
+batches and the same tokens, through every way of staging (in full, and each forecast path).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from gpu_worker.loader import ModelConfig
+from gpu_worker.pipeline import StepPipeline
+from gpu_worker.runner import ModelRunner, StagedStep, StepError
+from protos import worker_pb2
+from protos.running import RunningEntry
+from tests.worker_steps import (
+    TWO_LANES,
+    SchedulerScript,
+    assert_same_record,
+    cpu_runner,
+    decode_step,
+    pipeline_thread,
+    prompt_step,
+    save_tiny_llama,
+    tokens_of,
+)
+
+pytest.importorskip("transformers")
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class AheadAndPlain:
+    """`ahead` stages each step as soon as it is sent, one step ahead of the one it runs, and
+    forecasts after it as SBO's staging thread does; `plain` stages each step when it runs it."""
+
+    def __init__(self, tiny: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
+        self.ahead = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+        self.plain = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+        self.script = SchedulerScript(BLOCK_SIZE)
+        self.in_flight: deque[tuple[worker_pb2.Step, StagedStep]] = deque()
+
+    def send(self, step: worker_pb2.Step) -> StagedStep:
+        staged = self.ahead.stage(step)
+        self.ahead.forecast(staged)
+        self.in_flight.append((step, staged))
+        return staged
+
+    def answer(self) -> None:
+        """The oldest step in flight runs on both runners: the same batch, the same tokens."""
+        step, staged = self.in_flight.popleft()
+        result = self.ahead.run(staged)  # writes its late inputs in first
+        plain = self.plain.stage(step)
+        expected = self.plain.run(plain)
+        assert staged.batch is not None and plain.batch is not None
+        assert_same_record(staged.batch, plain.batch, f"step {step.step_id}")
+        assert tokens_of(result) == tokens_of(expected)
+        self.script.take_tokens(result)
+
+
+def test_steps_staged_before_the_step_in_front_runs_compute_what_the_plain_runner_does(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    both = AheadAndPlain(tiny)
+    script = both.script
+    both.send(script.prompt_step({1: 5, 2: 8, 3: 13}))
+    # A newcomer beside the lookahead decodes: staged in full, the decodes' inputs left late.
+    joined = both.send(script.prompt_step({4: 6}, running=script.decode_entries([1, 2, 3], ahead=1)))
+    assert not joined.forecast and joined.late is not None and len(joined.late.rows) == 3
+    both.answer()
+    # The step in flight has 4 first (new sequences first); the scheduler sends admission order:
+    # the forecast's rows are selected, and their inputs are late.
+    selected = both.send(script.step(script.decode_entries([1, 2, 3, 4], ahead=1)))
+    assert selected.forecast and selected.late is not None and len(selected.late.rows) == 4
+    both.answer()
+    for _ in range(6):  # decode-only and exact: the inputs are the token buffer the step fills
+        exact = both.send(script.step(script.decode_entries([1, 2, 3, 4], ahead=1)))
+        assert exact.forecast and exact.late is None
+        both.answer()
+    # Sequence 1 released: selected again.
+    entries = script.decode_entries([2, 3, 4], ahead=1)
+    released = both.send(script.step(entries, released_seq_ids=np.asarray([1], dtype="<u8").tobytes()))
+    assert released.forecast and released.late is not None
+    both.answer()
+    # A long prompt in windows of 12 beside the decodes: the window forecasts' decode rows are late.
+    both.send(script.prompt_step({5: 30}, chunk=12, running=script.decode_entries([2, 3, 4], ahead=1)))
+    both.answer()
+    window = both.send(script.step([*script.decode_entries([2, 3, 4], ahead=1), script.window(5, 12)]))
+    assert window.forecast and window.late is not None and window.late.rows == [0, 1, 2]
+    while both.in_flight:
+        both.answer()
+    assert both.ahead.seqs[3].token_ids == both.plain.seqs[3].token_ids
+    assert both.ahead.seqs[5].num_computed == both.plain.seqs[5].num_computed == 24
+
+
+def test_a_runner_off_the_host_refuses_a_late_input() -> None:
+    """A GPU pipeline with SBO launches a step before the one in front has its tokens back, so it
+    takes no lookahead steps (Ready.lookahead); one that comes anyway is a StepError naming it."""
+    off_host = ModelRunner(None, None, BLOCK_SIZE, torch.device("meta"))  # type: ignore[arg-type]
+    script = SchedulerScript(BLOCK_SIZE)
+    off_host.stage(script.prompt_step({1: 5}))
+    with pytest.raises(StepError, match="sequence 1 needs token 5, which a step still in progress samples"):
+        off_host.stage(script.step(script.decode_entries([1], ahead=1)))
+
+
+def test_a_step_past_the_tokens_known_and_sampled_is_refused(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    runner = cpu_runner(tiny, "cpu", BLOCK_SIZE)
+    script = SchedulerScript(BLOCK_SIZE)
+    runner.stage(script.prompt_step({1: 5}))
+    with pytest.raises(StepError, match=r"sequence 1 asks for tokens 5\.\.7 of 6"):
+        runner.stage(script.step([RunningEntry(1, 5, 2, [])]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Through a real pipeline on a socket
+
+
+def plain_tokens(runner: ModelRunner, decodes: int) -> dict[int, list[int]]:
+    """TWO_LANES' sequences in one lane, each step run before the next is staged."""
+    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
+    out: dict[int, list[int]] = {}
+    staged = runner.stage(prompt_step(1, seqs, vocab_size=256))
+    positions = {seq_id: length for seq_id, length, _ in seqs}
+    for step_id in range(2, decodes + 3):
+        for seq_id, token in tokens_of(runner.run(staged)).items():
+            out.setdefault(seq_id, []).append(token)
+        if step_id <= decodes + 1:
+            staged = runner.stage(decode_step(step_id, 0, positions))
+            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
+    return out
+
+
+def drive_with_lookahead(scheduler_side: zmq.Socket, decodes: int) -> tuple[dict, list]:
+    """As the scheduler drives one CPU lane with lookahead: the prompts, at once their decode, and
+    each next decode as soon as a result frees a place, so two steps are always in flight."""
+    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
+    step_ids = itertools.count(1)
+
+    def send(step: worker_pb2.Step) -> None:
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=step).SerializeToString())
+
+    send(prompt_step(next(step_ids), seqs, vocab_size=256))
+    positions = {seq_id: length for seq_id, length, _ in seqs}  # where each next step starts
+    left, outstanding = decodes, 1
+    tokens: dict[int, list[int]] = {}
+    results: list[worker_pb2.StepResult] = []
+    while outstanding:
+        while left and outstanding < 2:
+            send(decode_step(next(step_ids), 0, positions))
+            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
+            left, outstanding = left - 1, outstanding + 1
+        assert scheduler_side.poll(30_000), "the pipeline stopped answering"
+        message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+        assert message.WhichOneof("kind") == "result", message
+        results.append(message.result)
+        outstanding -= 1
+        for seq_id, token in tokens_of(message.result).items():
+            tokens.setdefault(seq_id, []).append(token)
+    return tokens, results
+
+
+@pytest.mark.parametrize("sbo", [True, False])
+def test_the_pipeline_serves_a_lane_that_keeps_two_steps_in_flight(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]], sbo: bool
+) -> None:
+    """Each decode sent before the step in front is answered: with SBO the staging thread stages
+    it on arrival, from the forecast; without SBO it waits in the socket until the one in front is
+    done, and is staged in full. The tokens are the plain runner's either way."""
+    expected = plain_tokens(cpu_runner(tiny, "cpu", 16), decodes=12)
+    runner = cpu_runner(tiny, "cpu", 16)
+    with pipeline_thread(lambda socket: StepPipeline(socket, runner, sbo=sbo)) as scheduler_side:
+        tokens, results = drive_with_lookahead(scheduler_side, decodes=12)
+    assert tokens == expected and len(results) == 13
+    decodes = sorted(results, key=lambda r: r.step_id)[1:]
+    if sbo:
+        assert all(r.forecast for r in decodes)
+    else:
+        assert not any(r.forecast for r in decodes)
+        assert all(r.exposed_staging_seconds == r.staging_seconds for r in decodes)
