@@ -91,6 +91,12 @@ SCHEDULER_FLAGS = (
         0,
         "fewest running sequences DBO puts in one lane (0 = by device: CPU keeps decodes in one lane)",
     ),
+    Flag(
+        "--lookahead",
+        bool,
+        True,
+        "with DBO: send a sequence's next step while its current one computes, where the worker takes it",
+    ),
     Flag("--prefix-cache", bool, True, "reuse the KV blocks of cached prompt prefixes"),
     Flag(
         "--urgent-steps",

@@ -32,6 +32,7 @@ class SchedulerConfig:
     min_lane_seqs: int = 0  # 0 = by the worker's device (see lane_min_seqs)
     prefix_cache: bool = True
     urgent_steps: bool = True  # interactive prefills interrupt the step in progress at a layer boundary
+    lookahead: bool = True  # with DBO: a sequence's next step goes out while its current one computes
     max_queued_requests: int = 1024
     max_queued_tokens: int = 262144
     prefill_window_ms: float = 0.0

@@ -3,11 +3,15 @@
 Everything runs on the asyncio event loop and nothing here blocks on the worker:
 a step is dispatched as soon as a lane is free, and a result is turned into
 client events, freed blocks and the lane's next step as soon as it arrives.
+With lookahead (BatchPlanner) the second lane carries the next step of the
+sequences in the first, so even one lane's worth of sequences keeps two steps
+in flight. Urgent steps travel on a lane of their own beside the DBO lanes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import itertools
 import logging
@@ -93,6 +97,9 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._inflight: dict[int, InflightBatch] = {}
         self._free_lanes = list(range(config.lanes))
+        # Urgent steps' own lane (one in flight at a time), beside the DBO lanes; None: no urgent steps.
+        self._urgent_lane = config.lanes if config.urgent_steps and config.lanes >= 2 else None
+        self._urgent_lane_free = True
         self._pending_releases: list[int] = []
         self._step_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -136,6 +143,7 @@ class Engine:
             max_inflight=self.config.lanes,
             min_lane_seqs=self.config.lane_min_seqs(ready.device),
             prefill_window=self.config.prefill_window_ms / 1000,
+            lookahead=self._lookahead(ready),
         )
         self.planner = BatchPlanner(self.blocks, limits)
         self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)
@@ -144,15 +152,21 @@ class Engine:
         self._last_heard = time.monotonic()
         self._watchdog_task = asyncio.create_task(self._watchdog(), name="worker-watchdog")
         log.info(
-            "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens",
+            "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens, lookahead %s",
             ready.model_name,
             ready.dtype,
             ready.device,
             ready.attention_backend,
             ready.num_blocks,
             ready.block_size,
+            "on" if limits.lookahead else "off",
         )
         return ready
+
+    def _lookahead(self, ready: worker_pb2.Ready) -> bool:
+        """Plan sequences' next steps while their current ones are in flight: --lookahead, a second
+        lane to send them on, and a worker that takes them."""
+        return self.config.lookahead and self.config.lanes >= 2 and ready.lookahead
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting, give running requests `timeout` seconds, then abort the rest as UNAVAILABLE."""
@@ -226,20 +240,26 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     def _dispatch(self) -> None:
-        """Fill every free lane with a planned step."""
+        """Fill every free lane with a planned step, and the urgent lane with an urgent one."""
         assert self.planner is not None
-        while self._free_lanes and not self.worker_lost:
-            plan = None
-            urgent = self.config.urgent_steps and bool(self._inflight) and self.planner.has_urgent()
-            if urgent:
-                plan = self.planner.plan_urgent()
-                urgent = plan is not None
-            if plan is None:
-                plan = self.planner.plan(worker_idle=not self._inflight)
+        while not self.worker_lost:
+            if (
+                self._urgent_lane is not None
+                and self._urgent_lane_free
+                and self._inflight
+                and self.planner.has_urgent()
+                and (plan := self.planner.plan_urgent()) is not None
+            ):
+                self._urgent_lane_free = False
+                self._send(plan, self._urgent_lane, urgent=True)
+                continue
+            if not self._free_lanes:
+                return
+            plan = self.planner.plan(worker_idle=not self._inflight)
             if plan is None:
                 self._wake_at_window_end()
                 return
-            self._send(plan, self._free_lanes.pop(0), urgent)
+            self._send(plan, self._free_lanes.pop(0))
 
     def _wake_at_window_end(self) -> None:
         """Re-plan when a held-back prefill's batching window ends."""
@@ -273,12 +293,13 @@ class Engine:
         running: list[RunningEntry] = []
         for scheduled in plan.seqs:
             request = scheduled.request
+            start = request.num_scheduled_tokens  # past what steps in flight compute (lookahead)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             if request.trace is not None:
-                prefill = scheduled.num_new_tokens > 1 or request.num_computed_tokens < request.prompt_len
+                prefill = scheduled.num_new_tokens > 1 or start < request.prompt_len
                 step.traceparents[request.seq_id] = request.trace.step_started(
-                    step.step_id, lane, scheduled.num_new_tokens, request.num_computed_tokens, prefill
+                    step.step_id, lane, scheduled.num_new_tokens, start, prefill
                 )
             if not request.on_worker:
                 # Unknown to the worker: sent in full, with its whole block table.
@@ -296,14 +317,9 @@ class Engine:
                 request.on_worker = True
             else:
                 running.append(
-                    RunningEntry(
-                        request.seq_id,
-                        request.num_computed_tokens,
-                        scheduled.num_new_tokens,
-                        scheduled.new_block_ids,
-                    )
+                    RunningEntry(request.seq_id, start, scheduled.num_new_tokens, scheduled.new_block_ids)
                 )
-            request.in_flight = True
+            request.joined(scheduled.num_new_tokens, scheduled.samples)
         if running:
             step.running.CopyFrom(pack_running(running))
         self._inflight[step.step_id] = InflightBatch(step.step_id, lane, plan.seqs, sent_at=now)
@@ -356,7 +372,10 @@ class Engine:
         if batch is None:
             log.warning("ignoring the result of unknown step %d", result.step_id)
             return
-        self._free_lanes.append(batch.lane)
+        if batch.lane == self._urgent_lane:
+            self._urgent_lane_free = True
+        else:
+            self._free_lanes.append(batch.lane)
         self.worker_times.add(result)
         finished, tokens = self.outputs.apply(batch, result)
         for scheduled in batch.seqs:
@@ -369,7 +388,12 @@ class Engine:
             ):
                 self.blocks.commit(request.seq_id, request.all_token_ids(), request.num_computed_tokens)
         for request in finished:
-            self._finish(request)
+            if request.in_flight:
+                # In the lookahead step sent after this one: it ends when that comes back, and the
+                # token it computes there is dropped.
+                request.aborted = True
+            else:
+                self._finish(request)
         # The next step goes out before the text work, so the worker does not wait for it.
         self._dispatch()
         for request in self.outputs.emit(tokens):
@@ -414,7 +438,7 @@ class Engine:
     def _fail(self, request: Request, code: str, message: str) -> None:
         request.emit(OutputEvent(error=(code, message)))
         request.aborted = True
-        request.in_flight = False
+        request.forget_inflight()
         self._finish(request)
 
     def _lose_worker(self, reason: str) -> None:
@@ -457,6 +481,7 @@ class Engine:
         self._inflight.clear()
         self._pending_releases.clear()
         self._free_lanes = list(range(self.config.lanes))
+        self._urgent_lane_free = True
 
     def _requeue_everything(self) -> None:
         """The worker and its KV cache are gone: every request goes back to the queue, keeping its
@@ -472,7 +497,7 @@ class Engine:
         for request in self._requests.values():
             self.blocks.free(request.seq_id)
             request.num_computed_tokens = 0
-            request.in_flight = False
+            request.forget_inflight()
             request.on_worker = False
         for request in [r for r in self._requests.values() if r.aborted]:
             self._finish(request)  # cancelled while in flight: nothing left to wait for
@@ -505,6 +530,7 @@ class Engine:
         self.worker_info = ready
         self.blocks = BlockManager(ready.num_blocks, ready.block_size, prefix_cache=self.config.prefix_cache)
         self.planner.blocks = self.blocks
+        self.planner.limits = dataclasses.replace(self.planner.limits, lookahead=self._lookahead(ready))
         self.worker_lost = False
         self._last_heard = time.monotonic()
         self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(), name="worker-watchdog")

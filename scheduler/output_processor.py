@@ -10,7 +10,7 @@ import numpy as np
 
 from protos import inference_pb2, worker_pb2
 from scheduler.planner import ScheduledSeq
-from scheduler.request import FinishReason, OutputEvent, Request
+from scheduler.request import FinishReason, OutputEvent, Request, RequestState
 
 
 @dataclass(slots=True)
@@ -46,17 +46,24 @@ class OutputProcessor:
     def apply(
         self, batch: InflightBatch, result: worker_pb2.StepResult
     ) -> tuple[list[Request], list[NewToken]]:
-        """Advance the batch's requests by `result`: (requests now finished, tokens to emit)."""
+        """Advance the batch's requests by `result`: (requests now finished, tokens to emit).
+
+        A finished request may still be in a lookahead step (see BatchPlanner): the caller ends it
+        when that comes back. Requests already ended while in flight (the server stopping) are
+        left alone, and an aborted one is returned as finished once no step carries it."""
         by_seq: dict[int, Request] = {}
+        finished = []
         for scheduled in batch.seqs:
             request = scheduled.request
-            request.in_flight = False
-            request.num_computed_tokens += scheduled.num_new_tokens
             by_seq[request.seq_id] = request
+            if request.state is RequestState.FINISHED:
+                continue  # ended while in flight (aborted): nothing left to do
+            request.returned(scheduled.num_new_tokens, scheduled.samples)
+            if request.aborted and not request.in_flight:
+                finished.append(request)
         seq_ids = np.frombuffer(result.seq_ids, dtype="<u8")
         token_ids = np.frombuffer(result.token_ids, dtype="<i4")
         assert len(seq_ids) == len(token_ids), "step result: seq_ids and token_ids differ in length"
-        finished = [r for r in by_seq.values() if r.aborted]
         tokens = []
         for seq_id, token_id in zip(seq_ids.tolist(), token_ids.tolist(), strict=True):
             assert seq_id in by_seq, f"step {batch.step_id}: result for sequence {seq_id} it did not carry"

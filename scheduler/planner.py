@@ -20,6 +20,16 @@ sequences (an equal split, or all of them when equal shares would be smaller tha
 for a lane of its own (fewer than `min_lane_seqs` free sequences and waiting requests) waits
 for the in-flight batch and joins its next step.
 
+Lookahead (`lookahead`, where the worker takes it): a sequence whose step is in flight may
+join the next step too, as that step's continuation. Its chunk starts where the one in flight
+ends, and a decode's input is the token the step in flight samples, which the worker fills in
+itself. So the worker holds its next step before it finishes the current one and never waits for
+the scheduler in between, with one lane as with two. Only one step ahead, never for a request
+its step in flight ends by max_tokens, and sequences not in flight go first, so lanes still
+split the running set. A request that ends in the step in flight (EOS, a stop string) computes
+one token more in the next, which is dropped. A preemption whose victims are all in flight
+stops the plan looking ahead, so that they come back and can be preempted.
+
 Urgent steps: while a batch is in flight, interactive requests still waiting for their
 first token may go out at once as a step of their own (`plan_urgent`), which the worker
 runs at the next layer boundary of the step in progress. Their time to first token is then
@@ -52,6 +62,7 @@ class PlannerLimits:
     aging_seconds: float = 10.0  # a waiting request rises one class per this many seconds
     max_preemptions_in_a_row: int = 2  # priority preemptions a request takes before it is spared
     prefill_window: float = 0.0  # seconds a new prefill may wait for others to batch with
+    lookahead: bool = False  # plan a sequence's next step while its current one is in flight
 
 
 @dataclass(slots=True)
@@ -60,6 +71,11 @@ class ScheduledSeq:
     num_new_tokens: int
     # Blocks appended to its table by this step: all a running sequence's worker lacks.
     new_block_ids: list[int]
+    samples: bool = False  # the step reaches its newest token and samples the next one
+
+
+def _scheduled(request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledSeq:
+    return ScheduledSeq(request, num_new, new_block_ids, samples=num_new == request.num_unscheduled_tokens)
 
 
 @dataclass(slots=True)
@@ -67,6 +83,8 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_running: int = 0  # of seqs, those that were already running (what the DBO lane share limits)
+    # A preemption found its only victims in flight: look no further ahead, so that they come back.
+    waits_for_victims: bool = False
 
 
 class BatchPlanner:
@@ -124,7 +142,9 @@ class BatchPlanner:
         budget = self.limits.max_batched_tokens
         budget = self._plan_running(plan, budget, lambda r: r.params.priority <= head_rank)
         deferred = sum(
-            1 for r in self.running if r.is_decoding and not r.in_flight and r.params.priority > head_rank
+            1
+            for r in self.running
+            if r.is_decoding and self._schedulable(r) and r.params.priority > head_rank
         )
         reserve = min(deferred, budget)
         hold_back = not worker_idle or bool(plan.seqs)
@@ -146,7 +166,8 @@ class BatchPlanner:
         urgent step exists to cut time to first token, and each one costs a pass over the weights.
         """
         plan = StepPlan()
-        budget = self._plan_running(plan, self.limits.max_batched_tokens, self._urgent)
+        # Never a lookahead: an urgent step may run before the step in flight it would continue.
+        budget = self._plan_running(plan, self.limits.max_batched_tokens, self._urgent, lookahead=False)
         now = self.clock()
         self.waiting.sort(key=lambda r: (self._rank(r, now), r.arrival_time, r.seq_id))
         self._plan_waiting(plan, budget, now, hold_back=False, include=self._urgent)
@@ -176,20 +197,35 @@ class BatchPlanner:
 
     # ------------------------------------------------------------------ running
 
+    def _schedulable(self, request: Request, lookahead: bool = True) -> bool:
+        """Whether `request` may join the step being planned: not in flight, or (looking ahead) in
+        one in-flight step that does not end it."""
+        if not request.in_flight:
+            return True
+        return (
+            lookahead
+            and self.limits.lookahead
+            and request.inflight_steps == 1
+            and not request.aborted
+            and request.output_tokens_to_come > 0
+        )
+
     def _merge_with_inflight(self) -> bool:
-        """True when the work not in flight is too little for a batch of its own.
+        """True when the work that can go now is too little for a batch of its own.
 
         Free running sequences and waiting requests together below `min_lane_seqs`, while
-        another batch is in flight: they wait for it to come back and join its next step, so
-        lanes split by arrival timing merge again. Every step pays a fixed cost (on a CPU, a
-        pass over all the weights), which a small lane would pay again for little work.
+        sequences in flight will want a later step: the free ones wait for those to come back
+        and join their next step, so lanes split by arrival timing merge again. Every step pays
+        a fixed cost (on a CPU, a pass over all the weights), which a small lane would pay again
+        for little work. Sequences their step in flight ends do not count: nothing follows them.
         """
         if self.limits.min_lane_seqs <= 1:
             return False
-        free = sum(1 for r in self.running if not r.in_flight)
-        if free == len(self.running):
-            return False  # nothing in flight
-        return free + len(self.waiting) < self.limits.min_lane_seqs
+        free = sum(1 for r in self.running if self._schedulable(r))
+        coming_back = any(
+            not self._schedulable(r) and not r.aborted and r.output_tokens_to_come > 0 for r in self.running
+        )
+        return coming_back and free + len(self.waiting) < self.limits.min_lane_seqs
 
     def _lane_share(self) -> int:
         # ceil(running / lanes): each in-flight batch carries an equal share, unless shares that
@@ -197,22 +233,31 @@ class BatchPlanner:
         even = -(-len(self.running) // self.limits.max_inflight)
         return max(1, even if even >= self.limits.min_lane_seqs else len(self.running))
 
-    def _plan_running(self, plan: StepPlan, budget: int, include: Callable[[Request], bool]) -> int:
+    def _plan_running(
+        self, plan: StepPlan, budget: int, include: Callable[[Request], bool], lookahead: bool = True
+    ) -> int:
         scheduled = {s.request.seq_id for s in plan.seqs}
-        candidates = [r for r in self.running if not r.in_flight and r.seq_id not in scheduled and include(r)]
-        # Stable: decodes first, then continuing prefills; each by class, then admission order.
-        candidates.sort(key=lambda r: (not r.is_decoding, r.params.priority))
+        candidates = [
+            r
+            for r in self.running
+            if r.seq_id not in scheduled and include(r) and self._schedulable(r, lookahead)
+        ]
+        # Stable: sequences not in flight first, decodes before continuing prefills; each by class,
+        # then admission order.
+        candidates.sort(key=lambda r: (r.in_flight, not r.is_decoding, r.params.priority))
         share = self._lane_share()
         for request in candidates:
             if budget <= 0 or plan.num_running >= share or len(plan.seqs) >= self.limits.max_num_seqs:
                 break
             if request.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget, self.limits.prefill_chunk)
+            if request.in_flight and plan.waits_for_victims:
+                continue
+            num_new = min(request.num_unscheduled_tokens, budget, self.limits.prefill_chunk)
             new_blocks = self._allocate_or_preempt(request, num_new, plan, scheduled)
             if new_blocks is None:
                 continue
-            plan.seqs.append(ScheduledSeq(request, num_new, new_blocks))
+            plan.seqs.append(_scheduled(request, num_new, new_blocks))
             plan.num_running += 1
             scheduled.add(request.seq_id)
             budget -= num_new
@@ -221,9 +266,9 @@ class BatchPlanner:
     def _allocate_or_preempt(
         self, request: Request, num_new: int, plan: StepPlan, scheduled: set[int]
     ) -> list[int] | None:
-        target = request.num_computed_tokens + num_new
+        target = request.num_scheduled_tokens + num_new
         while (new_blocks := self.blocks.allocate(request.seq_id, target)) is None:
-            victim = self._pick_victim(scheduled)
+            victim = self._pick_victim(plan, scheduled)
             if victim is None:
                 return None  # the others are in flight; wait for them to come back
             self._preempt(victim, plan)
@@ -231,13 +276,16 @@ class BatchPlanner:
                 return None
         return new_blocks
 
-    def _pick_victim(self, scheduled: set[int], below_rank: int | None = None) -> Request | None:
+    def _pick_victim(
+        self, plan: StepPlan, scheduled: set[int], below_rank: int | None = None
+    ) -> Request | None:
         """The lowest-class, latest-arrived running request that is neither in flight nor in this step.
 
         With `below_rank` (priority preemption): only classes strictly below it, and only
-        requests not yet preempted `max_preemptions_in_a_row` times in a row.
+        requests not yet preempted `max_preemptions_in_a_row` times in a row. When the only
+        candidates are in flight, the plan stops looking ahead (`waits_for_victims`).
         """
-        eligible = [r for r in self.running if not r.in_flight and r.seq_id not in scheduled]
+        eligible = [r for r in self.running if r.seq_id not in scheduled]
         if below_rank is not None:
             eligible = [
                 r
@@ -245,7 +293,10 @@ class BatchPlanner:
                 if r.params.priority > below_rank
                 and r.preemptions_in_a_row < self.limits.max_preemptions_in_a_row
             ]
-        return max(eligible, key=lambda r: (r.params.priority, r.arrival_time), default=None)
+        free = [r for r in eligible if not r.in_flight]
+        if not free and eligible:
+            plan.waits_for_victims = True
+        return max(free, key=lambda r: (r.params.priority, r.arrival_time), default=None)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
@@ -293,13 +344,13 @@ class BatchPlanner:
                 request.num_computed_tokens = self.blocks.match_prefix(
                     request.seq_id, request.all_token_ids()
                 )
-                num_new = min(request.num_uncomputed_tokens, budget, self.limits.prefill_chunk)
+                num_new = min(request.num_unscheduled_tokens, budget, self.limits.prefill_chunk)
                 new_blocks = self.blocks.allocate(request.seq_id, request.num_computed_tokens + num_new)
                 if new_blocks is not None:
                     break
                 self.blocks.free(request.seq_id)  # give the matched prefix back until it can run
                 request.num_computed_tokens = 0
-            victim = self._pick_victim(scheduled, below_rank=rank)
+            victim = self._pick_victim(plan, scheduled, below_rank=rank)
             if victim is None:
                 return False  # head of line waits; running sequences will free blocks and slots
             self._preempt(victim, plan)
@@ -312,5 +363,5 @@ class BatchPlanner:
             self.prompt_tokens_cached += request.num_computed_tokens
         request.state = RequestState.RUNNING
         self.running.append(request)
-        plan.seqs.append(ScheduledSeq(request, num_new, new_blocks))
+        plan.seqs.append(_scheduled(request, num_new, new_blocks))
         return True

@@ -68,8 +68,12 @@ class Request:
     # Tokens whose K/V sit in the cache; the rest of prompt + output is still to compute.
     num_computed_tokens: int = 0
     on_worker: bool = False  # the worker holds this sequence's state
-    in_flight: bool = False  # part of a batch the worker has not answered yet
-    aborted: bool = False
+    # In-flight batches that carry it (two when a lookahead step follows the one computing), the
+    # tokens they compute for it and the tokens they sample for it (see BatchPlanner, lookahead).
+    inflight_steps: int = 0
+    inflight_tokens: int = 0
+    inflight_samples: int = 0
+    aborted: bool = False  # ended: whatever in-flight steps still compute for it is dropped
     num_preemptions: int = 0
     preemptions_in_a_row: int = 0  # since it last produced a token
     num_cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held at first admission
@@ -88,12 +92,48 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+    def in_flight(self) -> bool:
+        """Part of a batch the worker has not answered yet."""
+        return self.inflight_steps > 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed by in-flight steps: where its next step starts."""
+        return self.num_computed_tokens + self.inflight_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens known (prompt, output, and those in-flight steps sample) that no step computes yet."""
+        return self.num_tokens + self.inflight_samples - self.num_scheduled_tokens
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_computed_tokens >= self.prompt_len and self.num_uncomputed_tokens == 1
+        """Its next step decodes one token (counting what in-flight steps compute and sample)."""
+        return self.num_scheduled_tokens >= self.prompt_len and self.num_unscheduled_tokens == 1
+
+    @property
+    def output_tokens_to_come(self) -> int:
+        """Tokens it may still sample beyond those in-flight steps sample (max_tokens bounds them;
+        validation keeps prompt + max_tokens within the context length)."""
+        return self.params.max_tokens - len(self.output_token_ids) - self.inflight_samples
+
+    def joined(self, num_new_tokens: int, samples: bool) -> None:
+        """Dispatched in a batch that computes `num_new_tokens` of it and samples one if `samples`."""
+        self.inflight_steps += 1
+        self.inflight_tokens += num_new_tokens
+        self.inflight_samples += samples
+
+    def returned(self, num_new_tokens: int, samples: bool) -> None:
+        """That batch's result came back: its tokens are computed (the sampled one is appended apart)."""
+        assert self.inflight_steps > 0, f"request {self.request_id} returned from a step it was not in"
+        self.inflight_steps -= 1
+        self.inflight_tokens -= num_new_tokens
+        self.inflight_samples -= samples
+        self.num_computed_tokens += num_new_tokens
+
+    def forget_inflight(self) -> None:
+        """Nothing it was in is in flight any more (the worker is gone, or the server stops)."""
+        self.inflight_steps = self.inflight_tokens = self.inflight_samples = 0
 
     @property
     def deadline(self) -> float | None:

@@ -30,14 +30,15 @@ def run_all_at_once(server: ServerProcess) -> list[tuple[str, list[int]]]:
         ("--max-inflight", "1", "--no-prefix-cache"),
         ("--max-inflight", "2", "--min-lane-seqs", "1"),
         ("--max-inflight", "4", "--min-lane-seqs", "1", "--no-prefix-cache"),
+        ("--no-lookahead",),
     ],
-    ids=["dbo1-nocache", "dbo2-split", "dbo4-split-nocache"],
+    ids=["dbo1-nocache", "dbo2-split", "dbo4-split-nocache", "no-lookahead"],
 )
 def test_dbo_lanes_and_prefix_cache_leave_greedy_outputs_unchanged(
     reference: dict[str, tuple[str, list[int]]],
     flags: tuple[str, ...],
 ) -> None:
-    # `reference` ran each prompt alone, with the prefix cache on and the default lanes.
+    # `reference` ran each prompt alone, with the prefix cache on, the default lanes and lookahead.
     server = start_server("--dtype", "float32", "--metrics-port", "0", *flags)
     try:
         assert run_all_at_once(server) == [reference[p] for p in PROMPTS]

@@ -20,7 +20,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Admission, Engine, WorkerTimes
 from scheduler.request import OutputEvent, Request, RequestParams
 
-TOKEN = 42  # what the scripted worker samples, always
+TOKEN = 42  # what the scripted worker samples (but for eos_at_token)
+EOS = 2  # the engines' EOS token id here
 
 
 class SilentDetokenizer:
@@ -37,10 +38,15 @@ class SilentDetokenizer:
 
 @dataclass
 class ScriptedWorker:
-    """Answers every Step after `step_seconds`, sampling TOKEN for each sequence that reaches its end."""
+    """Answers every Step after `step_seconds`, sampling TOKEN for each sequence that reaches its end.
+
+    It takes steps one at a time, so a lookahead step (which it says it takes with `lookahead`) comes
+    in only after the step in front of it has sampled, as in the worker's own pipelines."""
 
     address: str
     device: str = "cpu"
+    lookahead: bool = False
+    eos_at_token: int = 0  # > 0: the sequences' token this many (1-based) is EOS instead
     num_blocks: int = 64
     step_seconds: float = 0.01
     fail_at_step: int | None = None  # answer this step (1-based) with an error message
@@ -75,9 +81,11 @@ class ScriptedWorker:
             device=self.device,
             block_size=configure.block_size,
             num_blocks=self.num_blocks,
+            lookahead=self.lookahead,
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         lengths: dict[int, list[int]] = {}  # seq_id -> [tokens known, tokens computed]
+        samples: dict[int, int] = {}  # seq_id -> tokens sampled for it
         while True:
             message = worker_pb2.SchedulerMessage.FromString(socket.recv())
             self.arrived.append(time.monotonic())
@@ -110,11 +118,13 @@ class ScriptedWorker:
                 if state[1] == state[0]:
                     state[0] += 1
                     sampled.append(seq_id)
+                    samples[seq_id] = samples.get(seq_id, 0) + 1
+            tokens = [EOS if samples[seq_id] == self.eos_at_token else TOKEN for seq_id in sampled]
             result = worker_pb2.StepResult(
                 step_id=step.step_id,
                 lane=step.lane,
                 seq_ids=np.asarray(sampled, dtype="<u8").tobytes(),
-                token_ids=np.full(len(sampled), TOKEN, dtype="<i4").tobytes(),
+                token_ids=np.asarray(tokens, dtype="<i4").tobytes(),
                 compute_seconds=self.step_seconds,
             )
             socket.send(worker_pb2.WorkerMessage(result=result).SerializeToString())
@@ -124,11 +134,12 @@ class ScriptedWorker:
 
 def make_request(engine: Engine, prompt_len: int, **params: Any) -> Request:
     params.setdefault("max_tokens", 4)
+    params.setdefault("ignore_eos", True)
     return Request(
         request_id=f"r{prompt_len}",
         seq_id=engine.new_seq_id(),
         prompt_token_ids=list(range(1, prompt_len + 1)),
-        params=RequestParams(ignore_eos=True, **params),
+        params=RequestParams(**params),
         detokenizer=cast(Any, SilentDetokenizer()),
         events=asyncio.Queue(),
     )
@@ -155,7 +166,7 @@ async def outcome(request: Request) -> tuple[list[int], str]:
 
 async def with_engine(worker: ScriptedWorker, **config: Any) -> Engine:
     engine = Engine(
-        SchedulerConfig(model="scripted", worker_address=worker.address, **config), frozenset({2}), True
+        SchedulerConfig(model="scripted", worker_address=worker.address, **config), frozenset({EOS}), True
     )
     worker.start()
     await engine.start()
@@ -239,15 +250,24 @@ def test_queue_limits_refuse_at_submit_and_name_the_limit() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "dbo", "most_in_flight"), [("cuda", True, 2), ("cpu", True, 1), ("cuda", False, 1)]
+    ("device", "dbo", "lookahead", "most_in_flight"),
+    [
+        ("cuda", True, False, 2),
+        ("cpu", True, False, 1),
+        ("cuda", False, False, 1),
+        ("cpu", True, True, 2),
+        ("cpu", False, True, 1),
+    ],
 )
-def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(
-    device: str, dbo: bool, most_in_flight: int
+def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu_unless_it_looks_ahead(
+    device: str, dbo: bool, lookahead: bool, most_in_flight: int
 ) -> None:
-    """With --no-dbo one batch is in flight even where --max-inflight allows two."""
+    """With --no-dbo one batch is in flight even where --max-inflight allows two. A CPU worker that
+    takes lookahead steps gets the next step of the same sequences while one computes: the same
+    steps as without it, two in flight."""
 
     async def scenario() -> None:
-        worker = ScriptedWorker(address(), device=device, step_seconds=0.02)
+        worker = ScriptedWorker(address(), device=device, step_seconds=0.02, lookahead=lookahead)
         engine = await with_engine(worker, max_inflight=2, dbo=dbo)
         requests = [make_request(engine, 3, max_tokens=12) for _ in range(6)]
         for request in requests:
@@ -259,17 +279,70 @@ def test_dbo_keeps_two_batches_in_flight_on_a_gpu_and_one_on_a_cpu(
         assert seen == most_in_flight
         for request in requests:
             assert await outcome(request) == ([TOKEN] * 12, "LENGTH")
-        # No sequence was ever in two batches at once: every step's sequences are distinct.
+        # A sequence is never twice in one batch, and each is in 12 steps (its prompt, which
+        # samples the first token, and 11 decodes), lookahead or not: none computes a token more.
         assert all(len(ids) == len(set(ids)) for ids in worker.steps)
+        assert [sum(r.seq_id in ids for ids in worker.steps) for r in requests] == [12] * 6
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
         await stop(engine, worker)
 
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("urgent_steps", [True, False])
-def test_an_interactive_prompt_goes_out_at_once_as_an_urgent_step(urgent_steps: bool) -> None:
+def test_a_request_that_samples_eos_under_lookahead_drops_the_token_computed_after_it() -> None:
+    """EOS comes as token 3 while the lookahead step for token 4 is already out: the request ends
+    with its three tokens, that step's token is dropped, and its blocks are freed once it is back."""
+
     async def scenario() -> None:
-        worker = ScriptedWorker(address(), device="cpu", step_seconds=0.03)
+        worker = ScriptedWorker(address(), step_seconds=0.02, lookahead=True, eos_at_token=3)
+        engine = await with_engine(worker, max_inflight=2)
+        stopping = make_request(engine, 5, max_tokens=10, ignore_eos=False)
+        going_on = make_request(engine, 7, max_tokens=6)  # ignores EOS
+        for request in (stopping, going_on):
+            engine.submit(request)
+        assert await outcome(stopping) == ([TOKEN, TOKEN, EOS], "STOP")
+        assert await outcome(going_on) == ([TOKEN, TOKEN, EOS, TOKEN, TOKEN, TOKEN], "LENGTH")
+        # The worker computed token 4 for the stopped request too (planned before EOS was known).
+        assert sum(stopping.seq_id in ids for ids in worker.steps) == 4
+        await asyncio.sleep(0.05)
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+def test_an_interactive_prompt_preempts_a_batch_load_that_is_always_in_flight() -> None:
+    """With lookahead both batch requests are in every step pair; the interactive one still gets a
+    slot: the plan that finds its victims in flight stops looking ahead, and they come back."""
+
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), step_seconds=0.01, lookahead=True)
+        engine = await with_engine(worker, max_inflight=2, max_num_seqs=2, urgent_steps=False)
+        bulk = [make_request(engine, 3, max_tokens=40, priority=2) for _ in range(2)]
+        for request in bulk:
+            engine.submit(request)
+        await asyncio.sleep(0.1)
+        interactive = make_request(engine, 4, max_tokens=3, priority=0)
+        engine.submit(interactive)
+        assert await outcome(interactive) == ([TOKEN] * 3, "LENGTH")
+        assert not all(r.state.name == "FINISHED" for r in bulk)  # it overtook them
+        for request in bulk:
+            assert await outcome(request) == ([TOKEN] * 40, "LENGTH")  # the preempted one resumed
+        assert engine.num_preemptions >= 1
+        assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("urgent_steps", "lookahead"), [(True, False), (False, False), (True, True)])
+def test_an_interactive_prompt_goes_out_at_once_as_an_urgent_step(
+    urgent_steps: bool, lookahead: bool
+) -> None:
+    """On a lane of its own: beside the bulk step in flight, and beside its lookahead too."""
+
+    async def scenario() -> None:
+        worker = ScriptedWorker(address(), device="cpu", step_seconds=0.03, lookahead=lookahead)
         engine = await with_engine(worker, max_inflight=2, urgent_steps=urgent_steps)
         bulk = [make_request(engine, 3, max_tokens=20, priority=2) for _ in range(4)]
         for request in bulk:
@@ -281,12 +354,13 @@ def test_an_interactive_prompt_goes_out_at_once_as_an_urgent_step(urgent_steps: 
         assert await outcome(interactive) == ([TOKEN] * 3, "LENGTH")
         for request in bulk:
             assert await outcome(request) == ([TOKEN] * 20, "LENGTH")
+        bulk_steps = 2 if lookahead else 1
         if urgent_steps:
-            # Sent beside the bulk step in flight, holding the interactive prompt alone.
-            assert in_flight_at_submit == 2
+            # Sent beside the bulk steps in flight, holding the interactive prompt alone.
+            assert in_flight_at_submit == bulk_steps + 1
             assert [worker.steps[i] for i in worker.urgent_steps] == [[interactive.seq_id]]
         else:
-            assert in_flight_at_submit == 1 and worker.urgent_steps == []
+            assert in_flight_at_submit == bulk_steps and worker.urgent_steps == []
         assert all(len(ids) == len(set(ids)) for ids in worker.steps)
         assert engine.blocks is not None and engine.blocks.num_used_blocks == 0
         await stop(engine, worker)

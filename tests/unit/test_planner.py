@@ -32,6 +32,7 @@ def make_planner(
     inflight: int = 1,
     seqs: int = 64,
     min_lane: int = 1,
+    lookahead: bool = False,
 ) -> BatchPlanner:
     limits = PlannerLimits(
         max_batched_tokens=budget,
@@ -39,6 +40,7 @@ def make_planner(
         prefill_chunk=chunk,
         max_inflight=inflight,
         min_lane_seqs=min_lane,
+        lookahead=lookahead,
     )
     # A clock that stays at 0: arrivals (at their seq ids, in seconds) never age.
     return BatchPlanner(BlockManager(num_blocks, block_size), limits, clock=lambda: 0.0)
@@ -47,17 +49,16 @@ def make_planner(
 def dispatch(plan: StepPlan | None) -> StepPlan:
     assert plan is not None
     for scheduled in plan.seqs:
-        scheduled.request.in_flight = True
+        scheduled.request.joined(scheduled.num_new_tokens, scheduled.samples)
     return plan
 
 
 def complete(plan: StepPlan, next_token: int = 7) -> None:
-    """What the output processor does with a result: advance, and sample at the end of the known tokens."""
+    """What the output processor does with a result: advance, and append the token a sampling chunk samples."""
     for scheduled in plan.seqs:
         request = scheduled.request
-        request.in_flight = False
-        request.num_computed_tokens += scheduled.num_new_tokens
-        if request.num_computed_tokens == request.num_tokens:
+        request.returned(scheduled.num_new_tokens, scheduled.samples)
+        if scheduled.samples:
             request.output_token_ids.append(next_token)
 
 
@@ -347,4 +348,96 @@ def test_an_urgent_step_holds_only_interactive_prompts_without_a_first_token() -
     complete(in_flight)
     lanes = [dispatch(planner.plan()), dispatch(planner.plan())]  # ordinary DBO lanes again
     assert sorted(s.request.seq_id for lane in lanes for s in lane.seqs) == [1, 2, 3, 4, 5]
+    planner.blocks.check_integrity()
+
+
+def plans(planner: BatchPlanner) -> list[tuple[int, int, list[int], bool]]:
+    """The next plan's (seq id, new tokens, new blocks, samples), dispatched; [] when there is none."""
+    plan = planner.plan(worker_idle=False)
+    if plan is None:
+        return []
+    dispatch(plan)
+    return [(s.request.seq_id, s.num_new_tokens, s.new_block_ids, s.samples) for s in plan.seqs]
+
+
+def test_lookahead_plans_a_sequences_next_step_while_its_current_one_is_in_flight() -> None:
+    """One CPU-style lane (min_lane_seqs = max_num_seqs): each chunk's successor is planned while
+    it computes, one step ahead at most; the decode after the last chunk too, with the block its
+    position opens, although its input token is not sampled yet."""
+    planner = make_planner(
+        num_blocks=16, block_size=4, chunk=8, inflight=2, seqs=4, min_lane=4, lookahead=True
+    )
+    request = make_request(1, prompt_len=20)
+    request.params = RequestParams(max_tokens=3)
+    planner.add(request)
+    first = planner.plan()
+    assert first is not None and summary(dispatch(first)) == [(1, 8, [0, 1])]
+    assert plans(planner) == [(1, 8, [2, 3], False)]  # where the first chunk ends
+    assert plans(planner) == []  # in two steps already
+    assert request.num_computed_tokens == 0 and request.num_scheduled_tokens == 16
+    complete(first)
+    assert plans(planner) == [(1, 4, [4], True)]  # the last chunk samples the first token
+    assert plans(planner) == []
+    assert request.num_scheduled_tokens == 20 and request.num_unscheduled_tokens == 1
+    assert request.is_decoding and request.output_tokens_to_come == 2
+
+
+def test_lookahead_stops_at_the_step_that_samples_the_last_token() -> None:
+    planner = make_planner(num_blocks=16, block_size=4, inflight=2, seqs=4, min_lane=4, lookahead=True)
+    request = make_request(1, prompt_len=4)
+    request.params = RequestParams(max_tokens=2)
+    planner.add(request)
+    prompt = dispatch(planner.plan())
+    # Position 4 opens block 1 before the token that goes there is even sampled.
+    decode = planner.plan(worker_idle=False)
+    assert summary(decode) == [(1, 1, [1])] and decode is not None and decode.seqs[0].samples
+    dispatch(decode)
+    complete(prompt)
+    # The decode in flight samples token 2 of 2: nothing follows it.
+    assert request.output_tokens_to_come == 0
+    assert planner.plan(worker_idle=False) is None
+    complete(decode)
+    assert request.output_token_ids == [7, 7]  # the output processor finishes it here
+
+
+def test_sequences_not_in_flight_go_first_so_lanes_still_split() -> None:
+    """GPU-style lanes (an even split): with lookahead the second lane takes the other half, not a
+    lookahead of the first; lookaheads only fill a lane's share when free sequences run out."""
+    planner = make_planner(num_blocks=32, block_size=4, inflight=2, lookahead=True)
+    requests = [make_request(seq_id, prompt_len=3) for seq_id in (1, 2, 3, 4)]
+    for request in requests:
+        planner.add(request)
+    complete(dispatch(planner.plan()))  # all four prompts in one step: each samples a token
+    lane_a = planner.plan()
+    assert lane_a is not None and [s.request.seq_id for s in dispatch(lane_a).seqs] == [1, 2]
+    lane_b = planner.plan()
+    assert lane_b is not None and [s.request.seq_id for s in dispatch(lane_b).seqs] == [3, 4]
+    complete(lane_a)
+    # 1 and 2 are free again and go first; 3 and 4 (in flight once) would be lookaheads.
+    lane_a = planner.plan()
+    assert lane_a is not None and [s.request.seq_id for s in dispatch(lane_a).seqs] == [1, 2]
+
+
+def test_a_preemption_whose_victims_are_all_in_flight_stops_the_lookahead() -> None:
+    """Two batch-class requests fill both slots and are always in flight with lookahead. An
+    interactive one arrives: the plan finds its victims in flight, so it looks no further ahead;
+    once their steps are back, the latest batch request is preempted for it."""
+    clock = FakeClock()
+    planner = make_classed_planner(64, clock, max_num_seqs=2, max_inflight=2, min_lane_seqs=2, lookahead=True)
+    bulk = [classed(i, 3, priority=2, arrival=float(i)) for i in (1, 2)]
+    for request in bulk:
+        planner.add(request)
+    first = dispatch(planner.plan())
+    second = dispatch(planner.plan())  # the lookahead of both
+    assert [s.request.seq_id for s in second.seqs] == [1, 2]
+    complete(first)
+    interactive = classed(3, 3, priority=0, arrival=3.0)
+    planner.add(interactive)
+    # Both bulk requests are in flight (in `second`): no victim now, and no lookahead either.
+    assert planner.plan(worker_idle=False) is None
+    assert interactive.state is RequestState.WAITING
+    complete(second)
+    plan = dispatch(planner.plan())
+    assert [r.seq_id for r in plan.preempted] == [2]
+    assert [s.request.seq_id for s in plan.seqs] == [3, 1]  # the admission, then the lower class
     planner.blocks.check_integrity()
