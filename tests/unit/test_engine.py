@@ -311,6 +311,19 @@ def test_a_request_that_samples_eos_under_lookahead_drops_the_token_computed_aft
     asyncio.run(scenario())
 
 
+async def batch_load_then_interactive(
+    engine: Engine, count: int, max_tokens: int, prompt_len: int
+) -> tuple[list[Request], Request]:
+    """`count` batch-class requests of `max_tokens`, then 0.1 s later an interactive one (3 tokens)."""
+    bulk = [make_request(engine, 3, max_tokens=max_tokens, priority=2) for _ in range(count)]
+    for request in bulk:
+        engine.submit(request)
+    await asyncio.sleep(0.1)
+    interactive = make_request(engine, prompt_len, max_tokens=3, priority=0)
+    engine.submit(interactive)
+    return bulk, interactive
+
+
 def test_an_interactive_prompt_preempts_a_batch_load_that_is_always_in_flight() -> None:
     """With lookahead both batch requests are in every step pair; the interactive one still gets a
     slot: the plan that finds its victims in flight stops looking ahead, and they come back."""
@@ -318,12 +331,7 @@ def test_an_interactive_prompt_preempts_a_batch_load_that_is_always_in_flight() 
     async def scenario() -> None:
         worker = ScriptedWorker(address(), step_seconds=0.01, lookahead=True)
         engine = await with_engine(worker, max_inflight=2, max_num_seqs=2, urgent_steps=False)
-        bulk = [make_request(engine, 3, max_tokens=40, priority=2) for _ in range(2)]
-        for request in bulk:
-            engine.submit(request)
-        await asyncio.sleep(0.1)
-        interactive = make_request(engine, 4, max_tokens=3, priority=0)
-        engine.submit(interactive)
+        bulk, interactive = await batch_load_then_interactive(engine, 2, max_tokens=40, prompt_len=4)
         assert await outcome(interactive) == ([TOKEN] * 3, "LENGTH")
         assert not all(r.state.name == "FINISHED" for r in bulk)  # it overtook them
         for request in bulk:
@@ -344,12 +352,7 @@ def test_an_interactive_prompt_goes_out_at_once_as_an_urgent_step(
     async def scenario() -> None:
         worker = ScriptedWorker(address(), device="cpu", step_seconds=0.03, lookahead=lookahead)
         engine = await with_engine(worker, max_inflight=2, urgent_steps=urgent_steps)
-        bulk = [make_request(engine, 3, max_tokens=20, priority=2) for _ in range(4)]
-        for request in bulk:
-            engine.submit(request)
-        await asyncio.sleep(0.1)
-        interactive = make_request(engine, 6, max_tokens=3, priority=0)
-        engine.submit(interactive)
+        bulk, interactive = await batch_load_then_interactive(engine, 4, max_tokens=20, prompt_len=6)
         in_flight_at_submit = engine.num_inflight_batches
         assert await outcome(interactive) == ([TOKEN] * 3, "LENGTH")
         for request in bulk:
