@@ -295,8 +295,8 @@ class ModelRunner:
                 if num_new != 1 or self.device.type != "cpu":
                     raise StepError(
                         f"step {step.step_id}: sequence {state.seq_id} needs token {len(state.token_ids)}, "
-                        "which a step still in progress samples (this worker takes no lookahead steps "
-                        "with more than one token or on a GPU with SBO)"
+                        "which a step still in progress samples (a lookahead step decodes one token, "
+                        "and only into a batch on the host: this worker does not take it)"
                     )
                 late.append((len(chunks), state, state.num_computed))
                 tokens = [0]

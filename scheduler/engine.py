@@ -99,7 +99,6 @@ class Engine:
         self._free_lanes = list(range(config.lanes))
         # Urgent steps' own lane (one in flight at a time), beside the DBO lanes; None: no urgent steps.
         self._urgent_lane = config.lanes if config.urgent_steps and config.lanes >= 2 else None
-        self._urgent_lane_free = True
         self._pending_releases: list[int] = []
         self._step_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
@@ -245,12 +244,11 @@ class Engine:
         while not self.worker_lost:
             if (
                 self._urgent_lane is not None
-                and self._urgent_lane_free
                 and self._inflight
+                and all(batch.lane != self._urgent_lane for batch in self._inflight.values())
                 and self.planner.has_urgent()
                 and (plan := self.planner.plan_urgent()) is not None
             ):
-                self._urgent_lane_free = False
                 self._send(plan, self._urgent_lane, urgent=True)
                 continue
             if not self._free_lanes:
@@ -372,9 +370,7 @@ class Engine:
         if batch is None:
             log.warning("ignoring the result of unknown step %d", result.step_id)
             return
-        if batch.lane == self._urgent_lane:
-            self._urgent_lane_free = True
-        else:
+        if batch.lane != self._urgent_lane:
             self._free_lanes.append(batch.lane)
         self.worker_times.add(result)
         finished, tokens = self.outputs.apply(batch, result)
@@ -481,7 +477,6 @@ class Engine:
         self._inflight.clear()
         self._pending_releases.clear()
         self._free_lanes = list(range(self.config.lanes))
-        self._urgent_lane_free = True
 
     def _requeue_everything(self) -> None:
         """The worker and its KV cache are gone: every request goes back to the queue, keeping its

@@ -71,7 +71,7 @@ class ScheduledSeq:
     num_new_tokens: int
     # Blocks appended to its table by this step: all a running sequence's worker lacks.
     new_block_ids: list[int]
-    samples: bool = False  # the step reaches its newest token and samples the next one
+    samples: bool  # the step reaches its newest token and samples the next one
 
 
 def _scheduled(request: Request, num_new: int, new_block_ids: list[int]) -> ScheduledSeq:
