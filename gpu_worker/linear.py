@@ -27,17 +27,41 @@ PACKING_BATCH_HINT = 64
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when oneDNN's packed bfloat16 linear can run here."""
-    return (
+    """True when oneDNN's packed bfloat16 linear can run here: torch has it, and this CPU has the
+    instructions its bfloat16 path needs (AVX-512 BF16 or AVX-NE-CONVERT; probed once)."""
+    if not (
         device.type == "cpu"
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    with _kernels_lock:
+        if not _packed:
+            _packed.append(_probe_packed())
+        return _packed[0]
+
+
+def _probe_packed() -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x, w = (
+        torch.randn(8, 64, generator=generator).bfloat16(),
+        torch.randn(32, 64, generator=generator).bfloat16(),
     )
+    try:
+        got = _onednn_linear(x, torch.ops.mkldnn._reorder_linear_weight(w, PACKING_BATCH_HINT))
+    except RuntimeError as exc:
+        log.info("oneDNN packed bfloat16 linear unavailable, linears take F.linear: %s", exc)
+        return False
+    close = torch.allclose(got.float(), x.float() @ w.float().T, atol=0.1, rtol=0.02)
+    if not close:
+        log.info("oneDNN packed bfloat16 linear disagrees with float32, linears take F.linear")
+    return close
 
 
 _pair: list[PairLinear | None] = []  # empty until tried once
+_packed: list[bool] = []  # empty until probed
 _kernels_lock = threading.Lock()
 
 

@@ -55,6 +55,11 @@ def _cpu_identity() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether the CPU lists this flag (/proc/cpuinfo's names, e.g. avx512_bf16, amx_bf16)."""
+    return flag in _cpu_identity().split()
+
+
 def cache_dir() -> Path:
     if configured := os.environ.get("DUOSERVE_KERNEL_CACHE"):
         return Path(configured)
@@ -115,6 +120,8 @@ def load_engine(
     """The library of a two-engine kernel, and its engine: AMX where the CPU has it, `allow_amx`
     and Linux grants this process the tile state, else AVX-512 BF16 dot products (the source's
     -DNO_AMX=1 build). `uses_amx` names the library's function that says which it was built for."""
+    if not cpu_has("avx512_bf16") and not cpu_has("amx_bf16"):
+        raise KernelBuildError(f"{source_name} needs AMX-BF16 or AVX-512 BF16, and this CPU has neither")
     library = load(build(source_name, {**defines, "NO_AMX": int(not allow_amx)}))
     if getattr(library, uses_amx)() and library.duoserve_amx_init() != 0:
         # AMX is there but Linux did not grant the tile state: the other engine runs.

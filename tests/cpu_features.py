@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from kernels.cpu_build import AMX, BF16_DOT
-
-
-def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists this CPU flag."""
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+from kernels.cpu_build import AMX, BF16_DOT, cpu_has
 
 
 def has_avx512_bf16() -> bool:
