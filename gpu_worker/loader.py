@@ -1,6 +1,6 @@
 """Model files → (ModelConfig, float32 state dict with Hugging Face Llama tensor names).
 
-Two formats: a GGUF file (dequantized here with the `gguf` package) and a Hugging Face
+Two formats: a GGUF file (read by scheduler/gguf_file.py, dequantized with the `gguf` package) and a Hugging Face
 directory (`config.json` + `*.safetensors`, optionally sharded with an index). Everything
 that can be wrong with a model file is reported as a `ModelLoadError` naming the file and
 the key or tensor at fault.
@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from scheduler.gguf_file import GGUFFile, read_gguf
 
 _GGUF_ARCHITECTURES = ("llama",)
 _HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -144,12 +146,10 @@ def validate_state_dict(
 # GGUF
 
 
-def _gguf_reader(path: Path) -> Any:
-    import gguf
-
+def _gguf_reader(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the reader raises many kinds of errors on corrupt input
+        return read_gguf(path)
+    except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
@@ -187,18 +187,15 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def _gguf_metadata(reader: Any) -> dict[str, Any]:
+def _gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Scalar and string metadata by key; arrays (the tokenizer's 49k-entry lists) are represented by
-    their length only, under "<key>.length", since decoding them is slow and nothing here needs them."""
-    import gguf
-
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
-            out[f"{name}.length"] = len(field.data)
-        else:
-            out[name] = field.contents()
-    return out
+    their length only, under "<key>.length", since nothing here needs them."""
+    return {
+        (f"{name}.length" if name in reader.array_types else name): (
+            len(value) if name in reader.array_types else value
+        )
+        for name, value in reader.fields.items()
+    }
 
 
 def _gguf_config(

@@ -19,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from scheduler.gguf_file import read_gguf
+
 __all__ = ["Tokenizer", "TokenizerLoadError", "load_tokenizer"]
 
 
@@ -216,17 +218,16 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
 
 def _load_gguf(path: Path) -> Tokenizer:
     try:
-        reader = gguf.GGUFReader(path)
+        fields = read_gguf(path).fields
     except (ValueError, OSError) as exc:
         raise TokenizerLoadError(f"{path}: not a readable GGUF file: {exc}") from exc
 
     def field(key: str, kind: type | tuple[type, ...], required: bool = False) -> Any:
-        entry = reader.fields.get(key)
-        if entry is None:
+        value = fields.get(key)
+        if value is None:
             if required:
                 raise TokenizerLoadError(f"{path}: missing key {key!r}")
             return None
-        value = entry.contents()
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, kind) for item in items):
             raise TokenizerLoadError(f"{path}: key {key!r} has an unexpected type")
