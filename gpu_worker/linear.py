@@ -37,10 +37,15 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
         return False
+    return _probed_once(_packed, _probe_packed)
+
+
+def _probed_once(result: list[bool], probe: Callable[[], bool]) -> bool:
+    """`probe()`, run the first time only; `result` keeps its answer."""
     with _kernels_lock:
-        if not _packed:
-            _packed.append(_probe_packed())
-        return _packed[0]
+        if not result:
+            result.append(probe())
+        return result[0]
 
 
 def _probe_packed() -> bool:
@@ -184,10 +189,7 @@ _post_ops: list[bool] = []  # empty until probed
 def onednn_post_ops_available() -> bool:
     """True when oneDNN's packed linear takes the SiLU and multiply post-ops here and they compute
     SiLU(x @ g.T) * (x @ u.T) (probed once on a small bfloat16 case against float32)."""
-    with _kernels_lock:
-        if not _post_ops:
-            _post_ops.append(_probe_post_ops())
-        return _post_ops[0]
+    return _probed_once(_post_ops, _probe_post_ops)
 
 
 def _probe_post_ops() -> bool:
