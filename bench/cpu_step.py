@@ -131,7 +131,7 @@ def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]
                 attention.prefill_kernel = kernel if own_attention else None
                 for layer in model.layers:
                     assert isinstance(layer, DecoderLayer)
-                    layer.gate_up.post_ops = post_ops and onednn_post_ops_available()
+                    layer.gate_up.post_ops = post_ops and onednn_post_ops_available(torch.bfloat16)
                 out[name][label].append(median_ms(lambda batch=batch: model(batch, kv), max(3, repeats // 4)))
     return out
 

@@ -276,7 +276,8 @@ class LlamaModel(nn.Module):
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         # Packed copies are taken of the loaded values, so this comes last.
         packed = packed_linear_available(self.dtype, self.device)
-        own = packed and self.small_batch_linears
+        # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
+        own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
         pair = pair_kernel() if own else None
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)

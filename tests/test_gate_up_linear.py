@@ -45,12 +45,12 @@ def refuse(gate_up: torch.Tensor) -> torch.Tensor:
 def test_post_ops_run_here() -> None:
     # This CPU type (CI's) has them; only a CPU without AVX-512 BF16 may lack them.
     if has_avx512_bf16():
-        assert onednn_post_ops_available()
+        assert onednn_post_ops_available(torch.bfloat16)
 
 
 @pytest.mark.parametrize("rows", [65, 100, 512])
 def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> None:
-    if not onednn_post_ops_available():
+    if not onednn_post_ops_available(torch.bfloat16):
         pytest.skip("oneDNN here lacks the post-ops (test_post_ops_run_here says where that fails)")
     weight = weights(rows)
     lin = GateUpLinear(weight, packed=True, pair=pair_kernel())
