@@ -190,12 +190,13 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def _gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Scalar and string metadata by key; arrays (the tokenizer's 49k-entry lists) are represented by
     their length only, under "<key>.length", since nothing here needs them."""
-    return {
-        (f"{name}.length" if name in reader.array_types else name): (
-            len(value) if name in reader.array_types else value
-        )
-        for name, value in reader.fields.items()
-    }
+    out: dict[str, Any] = {}
+    for name, value in reader.fields.items():
+        if name in reader.array_types:
+            out[f"{name}.length"] = len(value)
+        else:
+            out[name] = value
+    return out
 
 
 def _gguf_config(
