@@ -1,16 +1,20 @@
-"""A/B of SmolLM2's float32 linears (30 layers and the LM head): `F.linear` against oneDNN's packed
-kernel, which the worker takes in float32 where it runs (gpu_worker/linear.py).
+"""A/B/C of SmolLM2's float32 linears (30 layers and the LM head), as a decode step runs them:
+`F.linear`, oneDNN's packed kernel (which the worker takes in float32 where it runs), and the
+block kernel on the GGUF file's own Q4_1/Q8_0 blocks (which the worker takes for steps of up
+to BLOCK_MAX_ROWS rows; gpu_worker/linear.py).
 
-    .venv/bin/python bench/linear_ab.py
+    .venv/bin/python bench/linear_ab.py [--rows 1 2 4 8 16 64 256]
 
-Each pass streams every weight once, as a decode step does; the two take turns, medians of 5.
+Each pass streams every weight once, as a decode step does; the three take turns, medians of 5.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_worker.linear import Linear
-from gpu_worker.loader import load_model
+from gpu_worker.linear import Linear, block_kernel
+from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import DecoderLayer, LlamaModel
 from scheduler.model_files import find_default_model
 
@@ -32,33 +36,53 @@ def linears(model: LlamaModel) -> list[Linear]:
     return found
 
 
-def one_pass(all_linears: list[Linear], rows: int, packed: bool) -> float:
+def one_pass(all_linears: list[Linear], rows: int, run: Callable[[Linear, torch.Tensor], object]) -> float:
     inputs = {size: torch.randn(rows, size) for size in {lin.weight.shape[1] for lin in all_linears}}
     started = time.perf_counter()
     for lin in all_linears:
-        x = inputs[lin.weight.shape[1]]
-        if packed:
-            lin(x)
-        else:
-            F.linear(x, lin.weight, lin.bias)
+        run(lin, inputs[lin.weight.shape[1]])
     return time.perf_counter() - started
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    config, weights = load_model(find_default_model())
+    path = find_default_model()
+    config, weights = load_model(path)
     model = LlamaModel(config, torch.float32, "cpu")
-    model.load_weights(weights)
+    model.load_weights(weights, load_block_weights(path, config))
     all_linears = linears(model)
     if not all(lin.packed for lin in all_linears):
         sys.exit("oneDNN's packed float32 linear does not run here: nothing to compare")
-    for rows in (1, 8, 64, 256):
-        plain, packed = [], []
+    kernel = block_kernel()
+    with_blocks = kernel is not None and all(lin.blocks is not None for lin in all_linears)
+    if with_blocks:
+        mb = sum(lin.blocks.nbytes for lin in all_linears if lin.blocks is not None) / 1e6
+        dense = sum(lin.weight.numel() * 4 for lin in all_linears) / 1e6
+        print(f"weights: float32 {dense:.0f} MB, GGUF blocks {mb:.0f} MB")
+    else:
+        print("no block kernel here (or a model without GGUF blocks): two columns only")
+
+    runs: dict[str, Callable[[Linear, torch.Tensor], object]] = {
+        "F.linear": lambda lin, x: F.linear(x, lin.weight, lin.bias),
+        "oneDNN packed": lambda lin, x: lin._onednn(x),
+    }
+    if with_blocks:
+        assert kernel is not None
+        runs["blocks"] = lambda lin, x: kernel(x, lin.blocks)
+    for rows in args.rows:
+        times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(5):
-            plain.append(one_pass(all_linears, rows, packed=False))
-            packed.append(one_pass(all_linears, rows, packed=True))
-        a, b = statistics.median(plain), statistics.median(packed)
-        print(f"rows {rows:4d}: F.linear {a * 1e3:7.1f} ms, oneDNN packed {b * 1e3:7.1f} ms, {a / b:.2f}x")
+            for name, run in runs.items():
+                times[name].append(one_pass(all_linears, rows, run))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        cells = ", ".join(f"{name} {m * 1e3:7.1f} ms" for name, m in medians.items())
+        ratios = ", ".join(
+            f"{name} {medians['F.linear'] / m:.2f}x" for name, m in medians.items() if name != "F.linear"
+        )
+        print(f"rows {rows:4d}: {cells}  (over F.linear: {ratios})")
 
 
 if __name__ == "__main__":

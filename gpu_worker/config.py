@@ -34,6 +34,7 @@ class WorkerConfig:
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True
+    block_linear: bool = True
     seed: int = 0
     zmq_curve_worker_secret: str = ""
     zmq_curve_server_key: str = ""

@@ -21,12 +21,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_pair_linear
+from kernels.cpu_block_linear import BlockLinear, BlockWeight, load_block_linear
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
 log = logging.getLogger(__name__)
 
 # oneDNN picks its blocking for this many rows; decode steps batch about this many sequences.
 PACKING_BATCH_HINT = 64
+
+# Steps of up to this many rows take the block kernel where a linear has GGUF blocks. Past it the
+# float32 multiplies, not the weights' bytes, set the time, and oneDNN's packed kernel on the
+# float32 copy multiplies faster: on a 2-core AMD EPYC (Zen 3), SmolLM2's linears and head at 32
+# rows took 159 ms on blocks against oneDNN's 179, at 48 rows 249 against 237 (bench/linear_ab.py).
+BLOCK_MAX_ROWS = 32
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -73,6 +80,7 @@ def _probe_packed(dtype: torch.dtype) -> bool:
 
 
 _pair: list[PairLinear | None] = []  # empty until tried once
+_block: list[BlockLinear | None] = []  # empty until tried once
 _packed: dict[torch.dtype, bool] = {}  # by dtype, once probed
 _kernels_lock = threading.Lock()
 
@@ -92,11 +100,26 @@ def pair_kernel() -> PairLinear | None:
         return _pair[0]
 
 
+def block_kernel() -> BlockLinear | None:
+    """The GGUF-block linear kernel, or None where it cannot run (said once in the log)."""
+    with _kernels_lock:
+        if not _block:
+            try:
+                _block.append(load_block_linear())
+                log.info("GGUF-block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS)
+            except KernelBuildError as exc:
+                log.info("GGUF-block linear kernel unavailable, float32 copies take every step: %s", exc)
+                _block.append(None)
+        return _block[0]
+
+
 class Linear:
     """x [T, in] → x @ weight.T (+ bias) [T, out], by the fastest kernel here for T rows.
 
-    Not `packed`: `F.linear`. `packed`: oneDNN's packed bfloat16 kernel, except that with `pair`
-    steps of up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`).
+    Not `packed`: `F.linear`. `packed`: oneDNN's packed kernel, except that with `pair` steps of
+    up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`). With
+    `blocks` (the weight as the GGUF file stores it, float32 only), steps of up to BLOCK_MAX_ROWS
+    rows take the block kernel where it loads.
     """
 
     def __init__(
@@ -105,6 +128,7 @@ class Linear:
         bias: torch.Tensor | None,
         packed: bool,
         pair: PairLinear | None = None,
+        blocks: BlockWeight | None = None,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -113,14 +137,28 @@ class Linear:
         self._plain_bias = None if bias is None else bias.contiguous()
         self._pair = pair if packed and pair is not None and pair.supports(weight) else None
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
+        self.blocks: BlockWeight | None = None
+        self._block: BlockLinear | None = None
+        if blocks is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            if (blocks.n, blocks.k) != tuple(weight.shape):
+                raise ValueError(f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one")
+            self._block = block_kernel()
+            self.blocks = blocks if self._block is not None else None
 
     def _pack_for_onednn(self) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_block_kernel(x):
+            assert self._block is not None and self.blocks is not None
+            return self._block(x, self.blocks, self._plain_bias)
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         return self._own_kernel(x) if self.takes_own_kernel(x) else self._onednn(x)
+
+    def takes_block_kernel(self, x: torch.Tensor) -> bool:
+        """True when a step of x's rows runs on the GGUF-block kernel."""
+        return self.blocks is not None and x.stride(-1) == 1 and 1 <= x.shape[0] <= BLOCK_MAX_ROWS
 
     @property
     def pair_engine(self) -> str | None:
@@ -155,8 +193,9 @@ class GateUpLinear(Linear):
         weight: torch.Tensor,
         packed: bool,
         pair: PairLinear | None = None,
+        blocks: BlockWeight | None = None,
     ) -> None:
-        super().__init__(weight, None, packed, pair)
+        super().__init__(weight, None, packed, pair, blocks)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
         self.post_ops = packed and onednn_post_ops_available(weight.dtype)
         half = weight.shape[0] // 2
@@ -178,7 +217,7 @@ class GateUpLinear(Linear):
         self, x: torch.Tensor, fallback: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:  # [T, in] → [T, F]
         """SiLU(gate) * up; `fallback` maps the [T, 2F] projection to it where oneDNN does not run."""
-        if not self.post_ops or self.takes_own_kernel(x):
+        if not self.post_ops or self.takes_own_kernel(x) or self.takes_block_kernel(x):
             return fallback(self(x))
         gate = torch.ops.mkldnn._linear_pointwise(x, self._gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self._up, None, "mul")

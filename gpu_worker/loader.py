@@ -3,7 +3,8 @@
 Two formats: a GGUF file (read by scheduler/gguf_file.py, dequantized with the `gguf` package) and a Hugging Face
 directory (`config.json` + `*.safetensors`, optionally sharded with an index). Everything
 that can be wrong with a model file is reported as a `ModelLoadError` naming the file and
-the key or tensor at fault.
+the key or tensor at fault. `load_block_weights` also gives a GGUF file's Q8_0/Q4_0/Q4_1
+linears in their own blocks, which the CPU's block kernel multiplies without dequantizing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels.cpu_block_linear import BLOCK_BYTES, BlockWeight
 from scheduler.gguf_file import GGUFFile, read_gguf
 
 _GGUF_ARCHITECTURES = ("llama",)
@@ -185,6 +187,26 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             weight = _unpermute_rotary_rows(weight, config.num_kv_heads, config.head_dim)
         tensors[hf_name] = weight
     return config, tensors
+
+
+def load_block_weights(path: str | Path, config: ModelConfig) -> dict[str, BlockWeight]:
+    """A GGUF file's 2-D weights stored as Q8_0, Q4_0 or Q4_1, by Hugging Face name, in their blocks
+    (q and k rows in Hugging Face's order, as `load_model` gives them); empty for other files."""
+    path = Path(path)
+    if path.is_dir():
+        return {}
+    found: dict[str, BlockWeight] = {}
+    for t in _gguf_reader(path).tensors:
+        hf_name = _gguf_to_hf_name(t.name)
+        if hf_name is None or len(t.shape) != 2 or int(t.tensor_type) not in BLOCK_BYTES:
+            continue
+        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))  # off the memory map
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            blocks = _unpermute_rotary_rows(blocks, config.num_heads, config.head_dim)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            blocks = _unpermute_rotary_rows(blocks, config.num_kv_heads, config.head_dim)
+        found[hf_name] = BlockWeight(int(t.tensor_type), blocks, int(t.shape[0]))
+    return found
 
 
 def _gguf_metadata(reader: GGUFFile) -> dict[str, Any]:

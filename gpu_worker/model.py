@@ -18,10 +18,14 @@ from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttentio
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import GateUpLinear, Linear, packed_linear_available, pair_kernel
 from gpu_worker.loader import ModelConfig
+from kernels.cpu_block_linear import BlockWeight, concat_rows
 from kernels.cpu_pair_linear import PairLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# A layer's GGUF blocks for qkv, o, gate/up and down, each None where it has none.
+LayerBlocks = tuple[BlockWeight | None, BlockWeight | None, BlockWeight | None, BlockWeight | None]
 
 
 def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -107,12 +111,16 @@ class DecoderLayer(nn.Module):
         self.down_weight = _empty_param((h, config.intermediate_size), dtype, device)
         self.prepare_linears(packed=False)
 
-    def prepare_linears(self, packed: bool, pair: PairLinear | None = None) -> None:
-        """Bind the four matmuls to the current weights (call again after loading them)."""
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, pair)
-        self.o_proj = Linear(self.o_weight, None, packed, pair)
-        self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair)
-        self.down = Linear(self.down_weight, None, packed, pair)
+    def prepare_linears(
+        self, packed: bool, pair: PairLinear | None = None, blocks: LayerBlocks | None = None
+    ) -> None:
+        """Bind the four matmuls to the current weights (call again after loading them); `blocks`
+        gives the GGUF blocks of each (or None) for the block kernel."""
+        qkv, o, gate_up, down = blocks or (None, None, None, None)
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, pair, qkv)
+        self.o_proj = Linear(self.o_weight, None, packed, pair, o)
+        self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair, gate_up)
+        self.down = Linear(self.down_weight, None, packed, pair, down)
 
     def forward(
         self,
@@ -249,8 +257,12 @@ class LlamaModel(nn.Module):
             layer.attention = attention
 
     @torch.inference_mode()
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (as returned by `load_model`) into the fused parameters."""
+    def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, BlockWeight] | None = None
+    ) -> None:
+        """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
+        (from `load_block_weights`, the same file's) lets float32 CPU linears take the block kernel
+        for decode-sized steps."""
 
         def take(name: str) -> torch.Tensor:
             assert name in state_dict, f"weight {name!r} missing from the state dict"
@@ -279,10 +291,21 @@ class LlamaModel(nn.Module):
         # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
         own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
         pair = pair_kernel() if own else None
+        blocks = blocks if blocks and self.dtype == torch.float32 and self.device.type == "cpu" else {}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."))
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head))
+
+    @property
+    def block_linears(self) -> int:
+        """How many of the linears (four per layer and the head) have GGUF blocks for the block kernel."""
+        found = [self.lm_head_linear]
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, pair)
-        self.lm_head_linear = Linear(self.lm_head, None, packed, pair)
+            found += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        return sum(lin.blocks is not None for lin in found)
 
     @torch.inference_mode()
     def forward(
@@ -415,3 +438,21 @@ def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
     """The linears' pair-layout weights, or None unless all of them have one."""
     weights = [linear.pair_weight for linear in linears]
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
+
+
+def _layer_blocks(blocks: Mapping[str, BlockWeight], prefix: str) -> LayerBlocks | None:
+    """One layer's blocks, fused as its parameters are (q/k/v and gate/up stacked by rows)."""
+    if not blocks:
+        return None
+
+    def stacked(names: Sequence[str]) -> BlockWeight | None:
+        parts = [blocks.get(prefix + name) for name in names]
+        present = [p for p in parts if p is not None]
+        return concat_rows(present) if len(present) == len(parts) else None
+
+    return (
+        stacked(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+        blocks.get(prefix + "self_attn.o_proj.weight"),
+        stacked(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
+        blocks.get(prefix + "mlp.down_proj.weight"),
+    )

@@ -24,8 +24,8 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.linear import pair_kernel
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.linear import BLOCK_MAX_ROWS, pair_kernel
+from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
@@ -285,8 +285,16 @@ def _run(config: WorkerConfig) -> int:
     started = time.perf_counter()
     model_config, weights = load_model(config.model)
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
-    model.load_weights(weights)
+    takes_blocks = config.block_linear and dtype == torch.float32 and device.type == "cpu"
+    model.load_weights(weights, load_block_weights(config.model, model_config) if takes_blocks else None)
     del weights
+    if takes_blocks:
+        log.info(
+            "%d of %d linears keep their GGUF blocks for steps of up to %d rows",
+            model.block_linears,
+            4 * model_config.num_layers + 1,
+            BLOCK_MAX_ROWS,
+        )
     log.info(
         "loaded %s (%s, %s) in %.1f s",
         model_config.name,

@@ -171,6 +171,13 @@ WORKER_FLAGS = (
         "bfloat16 on the CPU: decode-sized linears (1-64 rows) take duoserve's pair-layout kernel "
         "and decode-only steps of those sizes run all layers in one C call (else oneDNN, op by op)",
     ),
+    Flag(
+        "--block-linear",
+        bool,
+        True,
+        "float32 on the CPU, GGUF models: decode-sized linears (1-32 rows) multiply the file's own "
+        "Q8_0/Q4_0/Q4_1 blocks, widened in registers, instead of streaming the float32 copies",
+    ),
 )
 WORKER_ONLY_FLAGS = (
     Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),

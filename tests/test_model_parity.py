@@ -12,7 +12,8 @@ import torch
 
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.linear import block_kernel
+from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
 from scheduler.model_files import find_default_model
@@ -253,8 +254,9 @@ def smollm2() -> tuple[Path, ModelConfig, LlamaModel]:
     path = find_default_model()
     config, weights = load_model(path)
     model = LlamaModel(config, torch.float32, "cpu")
-    model.load_weights(weights)
-    use_backend(model, config, "cpu", block_size=16)  # the CPU worker's default path
+    # The CPU worker's default path: decode steps multiply the file's Q4_1/Q8_0 blocks.
+    model.load_weights(weights, load_block_weights(path, config))
+    use_backend(model, config, "cpu", block_size=16)
     return path, config, model
 
 
@@ -268,6 +270,8 @@ CHAT_PROMPTS = [
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers(smollm2: tuple[Path, ModelConfig, LlamaModel]) -> None:
     path, config, model = smollm2
+    if block_kernel() is not None:
+        assert model.block_linears == 4 * config.num_layers + 1
     check_smollm2_against_transformers(path, config, model, "cpu")
 
 

@@ -1,0 +1,184 @@
+"""y = x @ weight.T (+ bias) in float32 on a weight kept in its GGUF blocks (Q8_0, Q4_0, Q4_1),
+for decode-sized batches on the CPU.
+
+A decode step streams every weight from memory once, so its linears take as long as the weights'
+bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4- and 8-bit blocks and
+widens them to float32 in registers: SmolLM2-135M's linears and head are 96 MB that way against
+538 MB in float32. The products are those of the dequantized weight (the additions in another
+order), so the result matches x @ dequantize(weight).T to float32 rounding. AVX2, FMA and F16C
+are needed; elsewhere `load_block_linear` raises `KernelBuildError` and the worker keeps its
+float32 copies for every step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels._launch import require
+from kernels.cpu_build import KernelBuildError, build, cpu_has, load
+
+# ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+_TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A weight [n, k] as GGUF blocks: `blocks` is uint8 [n, k / 32 * bytes per block]."""
+
+    type: int  # Q4_0, Q4_1 or Q8_0
+    blocks: torch.Tensor
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.type not in BLOCK_BYTES:
+            raise ValueError(f"type: got ggml type {self.type}, expected one of {_TYPES_LISTED}")
+        if self.k <= 0 or self.k % 32:
+            raise ValueError(f"k: got {self.k}, expected a positive multiple of 32")
+        require(
+            self.blocks.dim() == 2
+            and self.blocks.dtype == torch.uint8
+            and self.blocks.device.type == "cpu"
+            and self.blocks.is_contiguous()
+            and self.blocks.shape[1] == self.k // 32 * BLOCK_BYTES[self.type],
+            "blocks",
+            self.blocks,
+            f"contiguous uint8 [n, {self.k // 32 * BLOCK_BYTES[self.type]}] on the CPU",
+        )
+
+    @property
+    def n(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.type]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, k] these blocks stand for."""
+        return torch.from_numpy(_dequantize(self.blocks.numpy(), self.type).reshape(self.n, self.k))
+
+
+def concat_rows(weights: Sequence[BlockWeight]) -> BlockWeight | None:
+    """The weights stacked by output rows (q, k, v → qkv), or None where their types or inputs differ."""
+    first = weights[0]
+    if any(w.type != first.type or w.k != first.k for w in weights):
+        return None
+    return BlockWeight(first.type, torch.cat([w.blocks for w in weights]), first.k)
+
+
+def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
+    raw = blocks.reshape(-1, BLOCK_BYTES[type_])
+    d = raw[:, :2].copy().view(np.float16).astype(np.float32)
+    if type_ == Q8_0:
+        return (d * raw[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+    quants = raw[:, 4:] if type_ == Q4_1 else raw[:, 2:]
+    nibbles = np.concatenate([quants & 0x0F, quants >> 4], axis=1).astype(np.float32)
+    if type_ == Q4_1:
+        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        return (d * nibbles + m).reshape(-1)
+    return (d * (nibbles - 8)).reshape(-1)
+
+
+_lock = threading.Lock()
+_loaded: list[Callable[..., int]] = []
+
+# duoserve_block_linear(x, x_stride, w, type, bias, y, rows, n, k, threads) -> 0 | -1
+_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
+
+
+class BlockLinear:
+    """The loaded kernel; call it with float32 x and a `BlockWeight`."""
+
+    def __init__(self, function: Callable[..., int]) -> None:
+        self._function = function
+
+    def __call__(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        require(
+            x.dim() == 2
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.stride(1) == 1
+            and x.shape[1] == weight.k,
+            "x",
+            x,
+            f"a float32 [rows, {weight.k}] CPU tensor with contiguous rows",
+        )
+        if bias is not None:
+            require(
+                bias.shape == (weight.n,) and bias.dtype == torch.float32 and bias.is_contiguous(),
+                "bias",
+                bias,
+                f"a contiguous float32 [{weight.n}] tensor",
+            )
+        rows = x.shape[0]
+        out = torch.empty(rows, weight.n, dtype=torch.float32)
+        if rows:
+            status = self._function(
+                x.data_ptr(),
+                x.stride(0),
+                weight.blocks.data_ptr(),
+                weight.type,
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr(),
+                rows,
+                weight.n,
+                weight.k,
+                torch.get_num_threads(),
+            )
+            if status != 0:
+                raise RuntimeError(f"block linear failed on a {weight.type_name} weight of input size {weight.k}")
+        return out
+
+
+def load_block_linear() -> BlockLinear:
+    """Build (or find in the cache) and load the kernel; KernelBuildError where it cannot run."""
+    missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
+    if missing:
+        raise KernelBuildError(f"the block linear needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}")
+    with _lock:
+        if not _loaded:
+            function = load(build("block_linear.c", {})).duoserve_block_linear
+            function.restype = ctypes.c_int
+            function.argtypes = _ARGTYPES
+            _loaded.append(function)
+        return BlockLinear(_loaded[0])
+
+
+__all__ = [
+    "BLOCK_BYTES",
+    "Q4_0",
+    "Q4_1",
+    "Q8_0",
+    "BlockLinear",
+    "BlockWeight",
+    "KernelBuildError",
+    "concat_rows",
+    "load_block_linear",
+]

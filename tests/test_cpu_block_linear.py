@@ -1,0 +1,151 @@
+"""The GGUF-block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.linear import BLOCK_MAX_ROWS, Linear, block_kernel, packed_linear_available
+from gpu_worker.loader import load_block_weights, load_model
+from kernels.cpu_block_linear import (
+    BLOCK_BYTES,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    BlockLinear,
+    BlockWeight,
+    KernelBuildError,
+    concat_rows,
+    load_block_linear,
+)
+from scheduler.model_files import find_default_model
+from tests.cpu_features import cpu_has
+
+TYPES = {Q4_0: gguf.GGMLQuantizationType.Q4_0, Q4_1: gguf.GGMLQuantizationType.Q4_1, Q8_0: gguf.GGMLQuantizationType.Q8_0}
+
+
+def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
+    """A random [n, k] weight quantized by the gguf package, as a GGUF file stores it."""
+    dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
+    blocks = gguf.quants.quantize(dense, TYPES[type_])
+    return BlockWeight(type_, torch.from_numpy(np.ascontiguousarray(blocks)), k)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> BlockLinear:
+    try:
+        return load_block_linear()
+    except KernelBuildError as exc:
+        if all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")):
+            raise  # it must build on a CPU with what it needs
+        pytest.skip(f"no block kernel on this CPU: {exc}")
+
+
+@pytest.mark.parametrize("type_", sorted(TYPES))
+def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
+    weight = block_weight(type_, 7, 96, seed=type_)
+    want = gguf.quants.dequantize(weight.blocks.numpy(), TYPES[type_]).reshape(7, 96)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("type_", sorted(TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (40, 576)])
+def test_kernel_matches_the_dequantized_product(
+    kernel: BlockLinear, type_: int, rows: int, n: int, k: int
+) -> None:
+    weight = block_weight(type_, n, k, seed=rows * n + k)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    got = kernel(x, weight, bias)
+    want = x.double() @ weight.dequantize().double().T + bias.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_x_may_be_strided(kernel: BlockLinear) -> None:
+    weight = block_weight(Q4_1, 16, 64, seed=1)
+    wide = torch.randn(5, 100)
+    x = wide[:, 3:67]  # rows 100 floats apart
+    assert x.stride() == (100, 1)
+    want = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(kernel(x, weight).double(), want, rtol=1e-5, atol=1e-5)
+    assert kernel(x[:0], weight).shape == (0, 16)
+
+
+def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
+    weight = block_weight(Q8_0, 4, 64, seed=2)
+    with pytest.raises(ValueError, match="x"):
+        kernel(torch.randn(2, 64).bfloat16(), weight)
+    with pytest.raises(ValueError, match="x"):
+        kernel(torch.randn(2, 32), weight)
+    with pytest.raises(ValueError, match="x"):
+        kernel(torch.randn(64, 2).T, weight)  # columns not contiguous
+    with pytest.raises(ValueError, match="bias"):
+        kernel(torch.randn(2, 64), weight, torch.randn(5))
+    with pytest.raises(ValueError, match="blocks"):
+        BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
+    with pytest.raises(ValueError, match="type"):
+        BlockWeight(6, torch.zeros(4, 44, dtype=torch.uint8), 64)  # Q5_0: not a block kernel type
+    with pytest.raises(ValueError, match="k"):
+        BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
+
+
+def test_rows_stack_only_when_types_and_inputs_agree() -> None:
+    a, b = block_weight(Q4_1, 3, 64, seed=3), block_weight(Q4_1, 5, 64, seed=4)
+    stacked = concat_rows([a, b])
+    assert stacked is not None and stacked.n == 8
+    assert torch.equal(stacked.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert concat_rows([a, block_weight(Q8_0, 3, 64, seed=5)]) is None
+    assert concat_rows([a, block_weight(Q4_1, 3, 96, seed=6)]) is None
+
+
+def test_linear_takes_blocks_for_decode_sized_steps_only(kernel: BlockLinear) -> None:
+    weight = block_weight(Q4_1, 48, 128, seed=7)
+    dense = weight.dequantize()
+    lin = Linear(dense, None, packed=packed_linear_available(torch.float32, torch.device("cpu")), blocks=weight)
+    assert lin.blocks is weight
+    for rows in (1, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 128)
+        assert lin.takes_block_kernel(x) == (rows <= BLOCK_MAX_ROWS)
+        torch.testing.assert_close(lin(x).double(), x.double() @ dense.double().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="blocks"):
+        Linear(dense[:, :96].contiguous(), None, packed=False, blocks=weight)
+    # bfloat16 linears keep their own kernels: blocks are for float32 steps.
+    assert Linear(dense.bfloat16(), None, packed=False, blocks=weight).blocks is None
+
+
+@pytest.fixture(scope="module")
+def smollm2_blocks() -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    path = find_default_model()
+    config, weights = load_model(path)
+    return weights, load_block_weights(path, config)
+
+
+def test_default_model_blocks_are_its_weights(
+    smollm2_blocks: tuple[dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> None:
+    weights, blocks = smollm2_blocks
+    # SmolLM2-135M's GGUF: every layer linear in Q4_1, the tied embedding / head in Q8_0.
+    assert len(blocks) == 7 * 30 + 1
+    assert blocks["model.embed_tokens.weight"].type == Q8_0
+    assert {b.type for name, b in blocks.items() if name.startswith("model.layers.")} == {Q4_1}
+    for name, block in blocks.items():
+        # The very values load_model dequantizes, q and k rows in the same (Hugging Face) order.
+        assert torch.equal(block.dequantize(), weights[name]), name
+    assert sum(b.nbytes for b in blocks.values()) == sum(
+        weights[name].numel() // 32 * BLOCK_BYTES[b.type] for name, b in blocks.items()
+    )
+
+
+def test_hf_directories_have_no_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert load_block_weights(tmp_path, None) == {}  # type: ignore[arg-type]
+
+
+def test_the_worker_path_loads_it_here() -> None:
+    # x86-64 CPUs of the last decade have AVX2, FMA and F16C; CI's do.
+    if all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")):
+        assert block_kernel() is not None
