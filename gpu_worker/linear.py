@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_pair_linear
+from kernels import cpu_block_linear, cpu_pair_linear
 from kernels.cpu_block_linear import BlockLinear, BlockWeight, load_block_linear
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
@@ -33,7 +33,7 @@ PACKING_BATCH_HINT = 64
 # float32 multiplies, not the weights' bytes, set the time, and oneDNN's packed kernel on the
 # float32 copy multiplies faster: on a 2-core AMD EPYC (Zen 3), SmolLM2's linears and head at 32
 # rows took 159 ms on blocks against oneDNN's 179, at 48 rows 249 against 237 (bench/linear_ab.py).
-BLOCK_MAX_ROWS = 32
+BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)

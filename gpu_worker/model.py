@@ -369,34 +369,38 @@ class LlamaModel(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor | None:
-        """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend
-        in bfloat16 with the pair-layout linears, of at most cpu_pair_linear.MAX_ROWS sequences. None
-        (nothing done) otherwise. The stack is bound to these KV caches on first use."""
+        """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend of
+        at most the stack's max_rows sequences: in bfloat16 with the pair-layout linears, or in
+        float32 with GGUF blocks. None (nothing done) otherwise. The stack is bound to these KV
+        caches on first use."""
         attention = self.attention
         if (
             not isinstance(attention, CpuPagedAttention)
             or attention.decode_stack is None
             or attention.fused_ops is None
-            or not self.small_batch_linears
             or batch.decode is None
             or batch.prefills
         ):
             return None
-        key = (attention.decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
+        decode_stack = attention.decode_stack
+        if decode_stack.dtype != self.dtype or not (decode_stack.blocks or self.small_batch_linears):
+            return None
+        key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
-            found = [_pair_weights(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
-            pairs = [weights for weights in found if weights is not None]
-            if len(pairs) != len(found):
-                self._bound_stack = (key, None)  # a linear without the pair-layout kernel
+            linears = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
+            pairs = [_pair_weights(*four) for four in linears]
+            blocks = [_block_weights(*four) for four in linears]
+            if any(w is None for w in (blocks if decode_stack.blocks else pairs)):
+                self._bound_stack = (key, None)  # a linear without the stack's kernel
                 return None
             engine = layers[0].qkv.pair_engine
-            if engine != attention.decode_stack.pair_engine:
+            if not decode_stack.blocks and engine != decode_stack.pair_engine:
                 raise ValueError(
-                    f"decode stack: its pair-layout linear runs on {attention.decode_stack.pair_engine}, "
+                    f"decode stack: its pair-layout linear runs on {decode_stack.pair_engine}, "
                     f"the model's on {engine}"
                 )
             norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
-            bound = attention.decode_stack.bind(
+            bound = decode_stack.bind(
                 [
                     StackLayer(
                         qkv_weight=layer.qkv_weight.detach(),
@@ -408,10 +412,11 @@ class LlamaModel(nn.Module):
                         next_norm=norm.detach(),
                         k_cache=k_cache,
                         v_cache=v_cache,
-                        pair_weights=weights,
+                        pair_weights=pair or (),
+                        block_weights=block or (),
                     )
-                    for layer, norm, (k_cache, v_cache), weights in zip(
-                        layers, norms, kv_caches, pairs, strict=True
+                    for layer, norm, (k_cache, v_cache), pair, block in zip(
+                        layers, norms, kv_caches, pairs, blocks, strict=True
                     )
                 ],
                 self.config.rms_norm_eps,
@@ -437,6 +442,12 @@ class LlamaModel(nn.Module):
 def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
     """The linears' pair-layout weights, or None unless all of them have one."""
     weights = [linear.pair_weight for linear in linears]
+    return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
+
+
+def _block_weights(*linears: Linear) -> tuple[BlockWeight, ...] | None:
+    """The linears' GGUF blocks, or None unless all of them have them."""
+    weights = [linear.blocks for linear in linears]
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
 
 

@@ -24,7 +24,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.linear import BLOCK_MAX_ROWS, pair_kernel
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, pair_kernel
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
@@ -192,6 +192,13 @@ def make_attention(
         fused = None
     stack = None
     pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 else None
+    if fused is not None and dtype == torch.float32 and block_kernel() is not None:
+        try:  # for a model whose linears have GGUF blocks (--block-linear)
+            stack = load_cpu_decode_stack(
+                model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size, blocks=True
+            )
+        except KernelBuildError as exc:
+            log.warning("CPU float32 decode stack unavailable, decode steps call each op: %s", exc)
     if pair is not None:
         try:  # its pair-layout linear on the model's linears' engine
             stack = load_cpu_decode_stack(

@@ -24,6 +24,8 @@ import torch
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 
+MAX_ROWS = 32  # the worker takes oneDNN past this (gpu_worker/linear.py)
+
 # ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
@@ -173,6 +175,7 @@ def load_block_linear() -> BlockLinear:
 
 __all__ = [
     "BLOCK_BYTES",
+    "MAX_ROWS",
     "Q4_0",
     "Q4_1",
     "Q8_0",

@@ -1,4 +1,5 @@
-"""A decode step through every decoder layer in one C call (bfloat16, CPU).
+"""A decode step through every decoder layer in one C call (CPU: bfloat16 on pair-layout weights,
+or float32 on GGUF blocks).
 
 A decode step of a few sequences reads each weight once per token. When this stack was written,
 streaming SmolLM2-135M's weights took about 13 ms a token on the machine of the time, yet the
@@ -6,12 +7,16 @@ per-op fused forward took ~24 ms: the rest was the cost of calling ~8 ops per la
 (~30 us each: checks, tensor allocation, the call). `kernels/cpu/decode_stack.c`
 calls the same C kernels in the same order on scratch buffers, so the results are the per-op
 path's, bit for bit, and the step pays one call (more only when the worker has urgent steps to
-run between layers). It takes batches of up to cpu_pair_linear.MAX_ROWS rows, its linear built
-for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products).
+run between layers). Two builds:
+- bfloat16, for batches of up to cpu_pair_linear.MAX_ROWS rows, its linear the pair-layout one
+  built for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products);
+- float32 (`blocks=True`), for up to cpu_block_linear.MAX_ROWS rows, its linear the block kernel
+  on the GGUF file's Q8_0/Q4_0/Q4_1 blocks (AVX2). On a 2-core AMD EPYC (Zen 3) a one-sequence
+  SmolLM2 decode step took ~31 ms op by op, ~18 of them in the linears.
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
-step. Needs what the pair-layout linear needs; elsewhere `load_cpu_decode_stack` raises
-`KernelBuildError` and the model keeps its per-op forward.
+step. Needs what its linear needs; elsewhere `load_cpu_decode_stack` raises `KernelBuildError`
+and the model keeps its per-op forward.
 """
 
 from __future__ import annotations
@@ -23,26 +28,31 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_pair_linear
+from kernels import cpu_block_linear, cpu_pair_linear
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, load_engine
+from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, bool], CpuDecodeStack] = {}
+_loaded: dict[tuple[int, int, int, bool, bool], CpuDecodeStack] = {}
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("qkv_pair", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
         ("qkv_bias", ctypes.c_void_p),
-        ("o_pair", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
         ("post_norm", ctypes.c_void_p),
-        ("gate_up_pair", ctypes.c_void_p),
-        ("down_pair", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
         ("next_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("qkv_type", ctypes.c_int32),
+        ("o_type", ctypes.c_int32),
+        ("gate_up_type", ctypes.c_int32),
+        ("down_type", ctypes.c_int32),
     ]
 
 
@@ -67,7 +77,8 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True, slots=True)
 class StackLayer:
     """One decoder layer's tensors, as the per-op forward uses them: the plain weights give the
-    shapes, `pair_weights` are what the stack multiplies by."""
+    shapes, `pair_weights` (bfloat16 stack) or `block_weights` (float32 stack) are what the stack
+    multiplies by."""
 
     qkv_weight: torch.Tensor  # [q_size + 2 kv_size, hidden]
     qkv_bias: torch.Tensor | None
@@ -79,7 +90,9 @@ class StackLayer:
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack.
-    pair_weights: tuple[torch.Tensor, ...]
+    pair_weights: tuple[torch.Tensor, ...] = ()
+    # Or the same four as GGUF blocks.
+    block_weights: tuple[BlockWeight, ...] = ()
 
 
 class BoundStack:
@@ -96,26 +109,31 @@ class BoundStack:
         self.q_size = self.kv_size * stack.group
         self.ffn = first.down_weight.shape[1]
         self.num_slots = first.k_cache.shape[0] * first.k_cache.shape[1]
-        self.max_rows = cpu_pair_linear.MAX_ROWS
+        self.max_rows = stack.max_rows
+        self.dtype = stack.dtype
         for index, layer in enumerate(layers):
             self._check(index, layer)
-        self._layers = (_Layer * len(layers))(
-            *(
-                _Layer(
-                    layer.pair_weights[0].data_ptr(),
-                    None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
-                    layer.pair_weights[1].data_ptr(),
-                    layer.post_norm.data_ptr(),
-                    layer.pair_weights[2].data_ptr(),
-                    layer.pair_weights[3].data_ptr(),
-                    layer.next_norm.data_ptr(),
-                    layer.k_cache.data_ptr(),
-                    layer.v_cache.data_ptr(),
-                )
-                for layer in layers
-            )
-        )
+        self._layers = (_Layer * len(layers))(*(self._layer(layer) for layer in layers))
         self._scratch = threading.local()
+
+    def _layer(self, layer: StackLayer) -> _Layer:
+        if self.stack.blocks:
+            pointers = [w.blocks.data_ptr() for w in layer.block_weights]
+            types = [w.type for w in layer.block_weights]
+        else:
+            pointers, types = [w.data_ptr() for w in layer.pair_weights], [0, 0, 0, 0]
+        return _Layer(
+            pointers[0],
+            None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
+            pointers[1],
+            layer.post_norm.data_ptr(),
+            pointers[2],
+            pointers[3],
+            layer.next_norm.data_ptr(),
+            layer.k_cache.data_ptr(),
+            layer.v_cache.data_ptr(),
+            *types,
+        )
 
     def _check(self, index: int, layer: StackLayer) -> None:
         hidden, q_size, kv_size, ffn = self.hidden, self.q_size, self.kv_size, self.ffn
@@ -128,19 +146,50 @@ class BoundStack:
             "down_weight": (hidden, ffn),
             "next_norm": (hidden,),
         }
+        dtype_name = str(self.dtype).removeprefix("torch.")
         for name, shape in expected.items():
             tensor = getattr(layer, name)
             if tensor is None:
                 continue
             require(
                 tuple(tensor.shape) == shape
-                and tensor.dtype == torch.bfloat16
+                and tensor.dtype == self.dtype
                 and tensor.is_contiguous()
                 and tensor.device.type == "cpu",
                 f"layers[{index}].{name}",
                 tensor,
-                f"a contiguous bfloat16 CPU tensor of shape {shape}",
+                f"a contiguous {dtype_name} CPU tensor of shape {shape}",
             )
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        if self.stack.blocks:
+            require(
+                len(layer.block_weights) == 4,
+                f"layers[{index}].block_weights",
+                layer.qkv_weight,
+                "four weights",
+            )
+            for name, blocks in zip(names, layer.block_weights, strict=True):
+                out, k = expected[name]
+                require(
+                    (blocks.n, blocks.k) == (out, k),
+                    f"layers[{index}].block_weights ({name})",
+                    blocks.blocks,
+                    f"the GGUF blocks of a [{out}, {k}] weight",
+                )
+        else:
+            self._check_pairs(index, layer, expected)
+        cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
+        for name in ("k_cache", "v_cache"):
+            cache = getattr(layer, name)
+            require(
+                tuple(cache.shape) == cache_shape and cache.dtype == self.dtype and cache.is_contiguous(),
+                f"layers[{index}].{name}",
+                cache,
+                f"a contiguous {dtype_name} tensor of shape {cache_shape}",
+            )
+
+    def _check_pairs(self, index: int, layer: StackLayer, expected: dict[str, tuple[int, ...]]) -> None:
+        hidden, q_size, kv_size, ffn = self.hidden, self.q_size, self.kv_size, self.ffn
         require(
             hidden % 32 == 0 and q_size % 32 == 0 and ffn % 32 == 0 and kv_size % 16 == 0,
             f"layers[{index}].qkv_weight",
@@ -163,21 +212,12 @@ class BoundStack:
                 packed,
                 f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
             )
-        cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
-        for name in ("k_cache", "v_cache"):
-            cache = getattr(layer, name)
-            require(
-                tuple(cache.shape) == cache_shape and cache.dtype == torch.bfloat16 and cache.is_contiguous(),
-                f"layers[{index}].{name}",
-                cache,
-                f"a contiguous bfloat16 tensor of shape {cache_shape}",
-            )
 
     def run(
         self,
         x: torch.Tensor,  # [rows, hidden]: the first layer's normed input; overwritten
         residual: torch.Tensor,  # [rows, hidden]: updated in place
-        cos: torch.Tensor,  # [rows, head_dim / 2] float32, rounded to bfloat16 (CpuFusedOps.cos_sin)
+        cos: torch.Tensor,  # [rows, head_dim / 2] float32, rounded to the dtype (CpuFusedOps.cos_sin)
         sin: torch.Tensor,
         slots: torch.Tensor,  # [rows] int64
         block_tables: torch.Tensor,  # [rows, max_blocks] int32, checked (check_block_tables)
@@ -193,12 +233,13 @@ class BoundStack:
         a boundary where `pending` is set, and `between_layers` (which clears it) runs there."""
         rows = x.shape[0]
         hidden = self.hidden
+        dtype_name = str(self.dtype).removeprefix("torch.")
         for name, tensor in (("x", x), ("residual", residual)):
             require(
-                tensor.shape == (rows, hidden) and tensor.dtype == torch.bfloat16 and tensor.is_contiguous(),
+                tensor.shape == (rows, hidden) and tensor.dtype == self.dtype and tensor.is_contiguous(),
                 name,
                 tensor,
-                f"a contiguous bfloat16 [rows, {hidden}] tensor",
+                f"a contiguous {dtype_name} [rows, {hidden}] tensor",
             )
         require(1 <= rows <= self.max_rows, "x", x, f"1..{self.max_rows} rows")
         half = self.stack.head_dim // 2
@@ -284,21 +325,31 @@ class BoundStack:
         scratch: torch.Tensor | None = getattr(self._scratch, "buffer", None)
         if scratch is None:
             per_row = self.q_size + 2 * self.kv_size + 2 * self.q_size + 3 * self.ffn + self.hidden
-            scratch = torch.empty(self.max_rows * per_row, dtype=torch.bfloat16)
+            scratch = torch.empty(self.max_rows * per_row, dtype=self.dtype)
             self._scratch.buffer = scratch
         return scratch
 
 
 class CpuDecodeStack:
-    """The loaded kernel for one attention shape (head_dim, group, block_size)."""
+    """The loaded kernel for one attention shape (head_dim, group, block_size) and one linear."""
 
     def __init__(
-        self, function: Callable[..., int], head_dim: int, group: int, block_size: int, pair_engine: str
+        self,
+        function: Callable[..., int],
+        head_dim: int,
+        group: int,
+        block_size: int,
+        pair_engine: str | None,
+        blocks: bool = False,
     ) -> None:
         self.function = function
-        # What the pair-layout linear multiplies on in this build: bind weights packed for
-        # cpu_pair_linear's kernel of the same engine, so the stack's bits are the per-op path's.
+        # What the pair-layout linear multiplies on in this build (None for the block build): bind
+        # weights packed for cpu_pair_linear's kernel of the same engine, so the stack's bits are
+        # the per-op path's.
         self.pair_engine = pair_engine
+        self.blocks = blocks  # float32 on GGUF blocks, not bfloat16 on pairs
+        self.dtype = torch.float32 if blocks else torch.bfloat16
+        self.max_rows = cpu_block_linear.MAX_ROWS if blocks else cpu_pair_linear.MAX_ROWS
         self.head_dim = head_dim
         self.group = group
         self.block_size = block_size
@@ -310,10 +361,11 @@ class CpuDecodeStack:
 
 
 def load_cpu_decode_stack(
-    head_dim: int, group: int, block_size: int, allow_amx: bool = True
+    head_dim: int, group: int, block_size: int, allow_amx: bool = True, blocks: bool = False
 ) -> CpuDecodeStack:
-    """Build (or find in the cache) and load the stack for this attention shape (bfloat16), its
-    pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16."""
+    """Build (or find in the cache) and load the stack for this attention shape: in bfloat16, its
+    pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16; with
+    `blocks`, in float32 on GGUF blocks (AVX2, FMA and F16C)."""
     if not (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -323,20 +375,21 @@ def load_cpu_decode_stack(
         raise KernelBuildError(
             f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
         )
-    key = (head_dim, group, block_size, allow_amx)
+    key = (head_dim, group, block_size, allow_amx, blocks)
+    shape = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK": block_size}
     with _lock:
         if key not in _loaded:
-            library, engine = load_engine(
-                "decode_stack.c",
-                {
-                    "HEAD_DIM": head_dim,
-                    "GROUP": group,
-                    "BLOCK": block_size,
-                    "ELEM_BF16": 1,
-                },
-                "duoserve_pair_linear_uses_amx",
-                allow_amx,
-            )
+            engine: str | None
+            if blocks:
+                missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
+                if missing:
+                    raise KernelBuildError(f"the block-linear decode stack needs {', '.join(missing)}")
+                library = load(build("decode_stack.c", {**shape, "ELEM_BF16": 0, "BLOCK_LINEAR": 1}))
+                engine = None
+            else:
+                library, engine = load_engine(
+                    "decode_stack.c", {**shape, "ELEM_BF16": 1}, "duoserve_pair_linear_uses_amx", allow_amx
+                )
             function = library.duoserve_decode_stack
             function.restype = ctypes.c_int64  # layers run
             function.argtypes = [
@@ -348,7 +401,7 @@ def load_cpu_decode_stack(
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine)
+            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine, blocks)
         return _loaded[key]
 
 

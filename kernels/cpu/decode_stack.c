@@ -6,44 +6,62 @@
  * Python, eight per layer. This runs the same kernels the per-op path calls, in the same order,
  * on the same buffers: the pair-layout linear (qkv, o, gate_up, down) on weights packed by
  * kernels/cpu_pair_linear.py, rotary, the KV write, paged decode attention, residual add +
- * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit, for
- * batches of up to 64 rows. The linear runs on the per-op path's engine (AMX tiles, or AVX-512
- * BF16 dot products with -DNO_AMX=1). Built by kernels/cpu_stack.py for bfloat16 with the
- * attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK).
+ * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit. Two
+ * builds, by kernels/cpu_stack.py, with the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK):
+ *   bfloat16 (-DELEM_BF16=1): the pair-layout linear on weights packed by
+ *     kernels/cpu_pair_linear.py, on the per-op path's engine (AMX tiles, or AVX-512 BF16 dot
+ *     products with -DNO_AMX=1), for batches of up to 64 rows;
+ *   float32 on GGUF blocks (-DELEM_BF16=0 -DBLOCK_LINEAR=1): the block linear
+ *     (kernels/cpu/block_linear.c) on the file's Q8_0/Q4_0/Q4_1 blocks, up to 32 rows.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "fused_ops.c"
 #include "paged_decode_attention.c"
-#include "pair_linear.c"
 
+#if BLOCK_LINEAR
+#if ELEM_BF16
+#error "the block-linear decode stack runs in float32 (build with -DELEM_BF16=0)"
+#endif
+#include "block_linear.c"
+/* y = x @ w.T (+ bias), w the `which` linear's blocks of the layer. */
+#define LINEAR(layer, which, x, in, bias, y, rows, out, threads)                                                   \
+    duoserve_block_linear(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, rows, out, in, \
+                          threads)
+#else
 #if !ELEM_BF16
-#error "the decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
+#error "the pair-linear decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
+#endif
+#include "pair_linear.c"
+#define LINEAR(layer, which, x, in, bias, y, rows, out, threads)                                               \
+    duoserve_pair_linear(x, in, (const uint16_t *)(layer)->which, bias, y, rows, out, in, threads)
 #endif
 
-/* One decoder layer's weights (bfloat16) and KV cache. The four linears' weights are packed in
- * pairs (kernels/cpu_pair_linear.py); their shapes are those of the plain [out, in] weight. */
+/* One decoder layer's weights and KV cache. The four linears' weights are packed in pairs
+ * (kernels/cpu_pair_linear.py) or GGUF blocks of the `_type`s (ggml's type numbers; unused by
+ * the pair build); their shapes are those of the plain [out, in] weight. */
 typedef struct {
-    const uint16_t *qkv_pair;     /* [q_size + 2 kv_size, hidden] */
-    const uint16_t *qkv_bias;     /* [q_size + 2 kv_size] or NULL */
-    const uint16_t *o_pair;       /* [hidden, q_size] */
-    const uint16_t *post_norm;    /* [hidden] */
-    const uint16_t *gate_up_pair; /* [2 ffn, hidden] */
-    const uint16_t *down_pair;    /* [hidden, ffn] */
-    const uint16_t *next_norm;    /* [hidden]: the next layer's input norm, or the final norm */
-    uint16_t *k_cache, *v_cache;  /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
+    const void *qkv;              /* [q_size + 2 kv_size, hidden] */
+    const elem_t *qkv_bias;       /* [q_size + 2 kv_size] or NULL */
+    const void *o;                /* [hidden, q_size] */
+    const elem_t *post_norm;      /* [hidden] */
+    const void *gate_up;          /* [2 ffn, hidden] */
+    const void *down;             /* [hidden, ffn] */
+    const elem_t *next_norm;      /* [hidden]: the next layer's input norm, or the final norm */
+    elem_t *k_cache, *v_cache;    /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
 } duoserve_layer;
 
 /* The shape of the model and of the step. */
 typedef struct {
     int64_t rows, hidden, num_kv_heads, ffn, max_blocks;
     float eps, scale;
-    const float *cos_table, *sin_table; /* [rows, HEAD_DIM / 2], rounded to bfloat16 */
+    const float *cos_table, *sin_table; /* [rows, HEAD_DIM / 2], rounded to the element type */
     const int64_t *slots;               /* [rows]: each row's cache slot */
     const int32_t *block_tables;        /* [rows, max_blocks] */
     const int32_t *context_lens;        /* [rows], the new token included */
-    uint16_t *scratch; /* rows * (q_size + 2 kv_size + 2 q_size + 3 ffn + hidden) elements */
+    elem_t *scratch; /* rows * (q_size + 2 kv_size + 2 q_size + 3 ffn + hidden) elements */
 } duoserve_step;
 
 /*
@@ -53,34 +71,33 @@ typedef struct {
  * sets it when the caller has work to do between layers). Returns the number of layers run.
  */
 int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, const duoserve_step *step,
-                              uint16_t *x, uint16_t *residual, int num_threads, const volatile int32_t *stop)
+                              elem_t *x, elem_t *residual, int num_threads, const volatile int32_t *stop)
 {
     const int64_t rows = step->rows, hidden = step->hidden, ffn = step->ffn;
     const int64_t kv_size = step->num_kv_heads * HEAD_DIM, q_size = kv_size * GROUP;
     const int64_t qkv_size = q_size + 2 * kv_size;
-    uint16_t *qkv = step->scratch;         /* [rows, qkv_size] */
-    uint16_t *q = qkv + rows * qkv_size;   /* [rows, q_size], contiguous for the attention */
-    uint16_t *attn = q + rows * q_size;    /* [rows, q_size] */
-    uint16_t *gate_up = attn + rows * q_size; /* [rows, 2 ffn] */
-    uint16_t *act = gate_up + rows * 2 * ffn; /* [rows, ffn] */
-    uint16_t *out = act + rows * ffn;      /* [rows, hidden] */
+    elem_t *qkv = step->scratch;             /* [rows, qkv_size] */
+    elem_t *q = qkv + rows * qkv_size;       /* [rows, q_size], contiguous for the attention */
+    elem_t *attn = q + rows * q_size;        /* [rows, q_size] */
+    elem_t *gate_up = attn + rows * q_size;  /* [rows, 2 ffn] */
+    elem_t *act = gate_up + rows * 2 * ffn;  /* [rows, ffn] */
+    elem_t *out = act + rows * ffn;          /* [rows, hidden] */
     for (int64_t l = 0; l < num_layers; l++) {
         const duoserve_layer *layer = layers + l;
-        duoserve_pair_linear(x, hidden, layer->qkv_pair, layer->qkv_bias, qkv, rows, qkv_size, hidden,
-                             num_threads);
+        LINEAR(layer, qkv, x, hidden, layer->qkv_bias, qkv, rows, qkv_size, num_threads);
         duoserve_rotary(qkv, qkv_size, q_size / HEAD_DIM, qkv + q_size, qkv_size, step->num_kv_heads,
                         step->cos_table, step->sin_table, rows, HEAD_DIM / 2, num_threads);
         duoserve_write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache, layer->v_cache,
                           step->slots, rows, kv_size);
-        for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * qkv_size, q_size * sizeof(uint16_t));
+        for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * qkv_size, q_size * sizeof(elem_t));
         duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, step->block_tables, step->context_lens,
                                         attn, rows, step->num_kv_heads, step->max_blocks, step->scale,
                                         num_threads);
-        duoserve_pair_linear(attn, q_size, layer->o_pair, NULL, out, rows, hidden, q_size, num_threads);
+        LINEAR(layer, o, attn, q_size, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->post_norm, x, rows, hidden, step->eps, num_threads);
-        duoserve_pair_linear(x, hidden, layer->gate_up_pair, NULL, gate_up, rows, 2 * ffn, hidden, num_threads);
+        LINEAR(layer, gate_up, x, hidden, NULL, gate_up, rows, 2 * ffn, num_threads);
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
-        duoserve_pair_linear(act, ffn, layer->down_pair, NULL, out, rows, hidden, ffn, num_threads);
+        LINEAR(layer, down, act, ffn, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
         if (stop && *stop) return l + 1;
     }

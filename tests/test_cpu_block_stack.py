@@ -1,0 +1,169 @@
+"""The float32 decode stack on GGUF blocks (kernels/cpu_stack.py, blocks=True) against the per-op
+forward it replaces, on SmolLM2-135M's own Q4_1/Q8_0 file: the same bits, the same KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_worker.attention import CpuPagedAttention
+from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.kv_cache import KVCache, allocate_kv_cache
+from gpu_worker.linear import block_kernel
+from gpu_worker.loader import ModelConfig, load_block_weights, load_model
+from gpu_worker.model import DecoderLayer, LlamaModel
+from gpu_worker.worker import make_attention
+from kernels import cpu_block_linear
+from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_stack import BoundStack, StackLayer
+from scheduler.model_files import find_default_model
+from tests.cpu_features import cpu_has
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+CONTEXT = 40  # tokens already cached per sequence
+SEQS = 34  # one more than the stack takes: cpu_block_linear.MAX_ROWS + 2
+BLOCKS_PER_SEQ = 4
+
+pytestmark = pytest.mark.skipif(
+    not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")), reason="the block kernel needs AVX2, FMA, F16C"
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    path = find_default_model()
+    config, weights = load_model(path)
+    return config, weights, load_block_weights(path, config)
+
+
+def float32_model(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]], stack: bool, blocks: bool = True
+) -> LlamaModel:
+    config, weights, block_weights = smollm2
+    model = LlamaModel(config, torch.float32, CPU)
+    model.load_weights(weights, block_weights if blocks else None)
+    attention = make_attention("cpu", config, torch.float32, CPU, BLOCK_SIZE)
+    assert isinstance(attention, CpuPagedAttention)
+    assert attention.decode_stack is not None and attention.decode_stack.blocks
+    if not stack:
+        attention.decode_stack = None
+    model.use_attention(attention)
+    return model
+
+
+def filled_cache(config: ModelConfig) -> KVCache:
+    cache = allocate_kv_cache(config, SEQS * BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(0)
+    for k, v in cache:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return cache
+
+
+def decode_batch(rows: int) -> Any:
+    # Each sequence's blocks interleaved with the others', as sequences that decode together get them.
+    chunks = [
+        ScheduledChunk([5 + s], CONTEXT, [b * SEQS + s for b in range(BLOCKS_PER_SEQ)], True) for s in range(rows)
+    ]
+    return build_forward_batch(chunks, BLOCK_SIZE, CPU)
+
+
+class CountingRuns:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.runs = 0
+        original = BoundStack.run
+
+        def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.runs += 1
+            return original(bound, *args, **kwargs)
+
+        monkeypatch.setattr(BoundStack, "run", run)
+
+
+def test_the_worker_loads_it_here() -> None:
+    assert block_kernel() is not None  # CPUs with AVX2, FMA and F16C: this module's skip says so
+
+
+@pytest.mark.parametrize("rows", [1, 3, cpu_block_linear.MAX_ROWS, cpu_block_linear.MAX_ROWS + 1])
+def test_the_stack_computes_the_per_op_forward_bit_for_bit(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = smollm2[0]
+    counting = CountingRuns(monkeypatch)
+    stacked, per_op = float32_model(smollm2, stack=True), float32_model(smollm2, stack=False)
+    stacked_cache, per_op_cache = filled_cache(config), filled_cache(config)
+    batch = decode_batch(rows)
+    got = stacked(batch, stacked_cache)
+    want = per_op(batch, per_op_cache)
+    # Past the stack's rows the per-op path runs (and the weights' float32 copies, through oneDNN).
+    assert counting.runs == (1 if rows <= cpu_block_linear.MAX_ROWS else 0)
+    assert torch.equal(got, want)
+    for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def test_yield_points_between_layers_leave_the_result_unchanged(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> None:
+    config = smollm2[0]
+    stacked = float32_model(smollm2, stack=True)
+    batch = decode_batch(2)
+    boundaries = []
+    with_yields = stacked(batch, filled_cache(config), lambda: boundaries.append(1))
+    assert len(boundaries) == config.num_layers  # one C call per layer, the yield point after each
+    assert torch.equal(with_yields, stacked(batch, filled_cache(config)))
+
+
+def test_a_model_without_blocks_decodes_op_by_op(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counting = CountingRuns(monkeypatch)
+    dense = float32_model(smollm2, stack=True, blocks=False)  # --no-block-linear
+    assert dense.block_linears == 0
+    logits = dense(decode_batch(1), filled_cache(smollm2[0]))
+    assert counting.runs == 0 and logits.shape == (1, smollm2[0].vocab_size)
+
+
+def test_bind_names_the_blocks_it_cannot_take(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> None:
+    config = smollm2[0]
+    model = float32_model(smollm2, stack=True)
+    cache = filled_cache(config)
+    attention = model.attention
+    assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
+    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.norm.weight]
+    stack_layers = [
+        StackLayer(
+            qkv_weight=layer.qkv_weight.detach(),
+            qkv_bias=None,
+            o_weight=layer.o_weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up_weight=layer.gate_up_weight.detach(),
+            down_weight=layer.down_weight.detach(),
+            next_norm=norm.detach(),
+            k_cache=k,
+            v_cache=v,
+            block_weights=(layer.qkv.blocks, layer.o_proj.blocks, layer.gate_up.blocks, layer.down.blocks),
+        )
+        for layer, norm, (k, v) in zip(layers, norms, cache, strict=True)
+    ]
+    bound = attention.decode_stack.bind(stack_layers, config.rms_norm_eps)
+    assert bound.max_rows == cpu_block_linear.MAX_ROWS and bound.dtype == torch.float32
+    swapped = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[::-1])
+    with pytest.raises(ValueError, match=r"layers\[1\]\.block_weights \(qkv_weight\)"):
+        attention.decode_stack.bind([stack_layers[0], swapped], config.rms_norm_eps)
+    short = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[:3])
+    with pytest.raises(ValueError, match=r"layers\[1\]\.block_weights"):
+        attention.decode_stack.bind([stack_layers[0], short], config.rms_norm_eps)
+    bfloat16 = replace(stack_layers[0], o_weight=stack_layers[0].o_weight.bfloat16())
+    with pytest.raises(ValueError, match=r"layers\[0\]\.o_weight"):
+        attention.decode_stack.bind([bfloat16], config.rms_norm_eps)
