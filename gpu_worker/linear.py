@@ -106,7 +106,9 @@ def block_kernel() -> BlockLinear | None:
         if not _block:
             try:
                 _block.append(load_block_linear())
-                log.info("GGUF-block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS)
+                log.info(
+                    "GGUF-block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS
+                )
             except KernelBuildError as exc:
                 log.info("GGUF-block linear kernel unavailable, float32 copies take every step: %s", exc)
                 _block.append(None)
@@ -141,7 +143,9 @@ class Linear:
         self._block: BlockLinear | None = None
         if blocks is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             if (blocks.n, blocks.k) != tuple(weight.shape):
-                raise ValueError(f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one")
+                raise ValueError(
+                    f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one"
+                )
             self._block = block_kernel()
             self.blocks = blocks if self._block is not None else None
 

@@ -155,7 +155,9 @@ class BlockLinear:
                 torch.get_num_threads(),
             )
             if status != 0:
-                raise RuntimeError(f"block linear failed on a {weight.type_name} weight of input size {weight.k}")
+                raise RuntimeError(
+                    f"block linear failed on a {weight.type_name} weight of input size {weight.k}"
+                )
         return out
 
 
@@ -163,7 +165,9 @@ def load_block_linear() -> BlockLinear:
     """Build (or find in the cache) and load the kernel; KernelBuildError where it cannot run."""
     missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
     if missing:
-        raise KernelBuildError(f"the block linear needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}")
+        raise KernelBuildError(
+            f"the block linear needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}"
+        )
     with _lock:
         if not _loaded:
             function = load(build("block_linear.c", {})).duoserve_block_linear

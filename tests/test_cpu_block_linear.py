@@ -23,7 +23,11 @@ from kernels.cpu_block_linear import (
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 
-TYPES = {Q4_0: gguf.GGMLQuantizationType.Q4_0, Q4_1: gguf.GGMLQuantizationType.Q4_1, Q8_0: gguf.GGMLQuantizationType.Q8_0}
+TYPES = {
+    Q4_0: gguf.GGMLQuantizationType.Q4_0,
+    Q4_1: gguf.GGMLQuantizationType.Q4_1,
+    Q8_0: gguf.GGMLQuantizationType.Q8_0,
+}
 
 
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
@@ -106,7 +110,9 @@ def test_rows_stack_only_when_types_and_inputs_agree() -> None:
 def test_linear_takes_blocks_for_decode_sized_steps_only(kernel: BlockLinear) -> None:
     weight = block_weight(Q4_1, 48, 128, seed=7)
     dense = weight.dequantize()
-    lin = Linear(dense, None, packed=packed_linear_available(torch.float32, torch.device("cpu")), blocks=weight)
+    lin = Linear(
+        dense, None, packed=packed_linear_available(torch.float32, torch.device("cpu")), blocks=weight
+    )
     assert lin.blocks is weight
     for rows in (1, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1, 100):
         x = torch.randn(rows, 128)

@@ -29,7 +29,8 @@ SEQS = 34  # one more than the stack takes: cpu_block_linear.MAX_ROWS + 2
 BLOCKS_PER_SEQ = 4
 
 pytestmark = pytest.mark.skipif(
-    not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")), reason="the block kernel needs AVX2, FMA, F16C"
+    not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")),
+    reason="the block kernel needs AVX2, FMA, F16C",
 )
 
 
@@ -41,7 +42,9 @@ def smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeig
 
 
 def float32_model(
-    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]], stack: bool, blocks: bool = True
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    stack: bool,
+    blocks: bool = True,
 ) -> LlamaModel:
     config, weights, block_weights = smollm2
     model = LlamaModel(config, torch.float32, CPU)
@@ -67,7 +70,8 @@ def filled_cache(config: ModelConfig) -> KVCache:
 def decode_batch(rows: int) -> Any:
     # Each sequence's blocks interleaved with the others', as sequences that decode together get them.
     chunks = [
-        ScheduledChunk([5 + s], CONTEXT, [b * SEQS + s for b in range(BLOCKS_PER_SEQ)], True) for s in range(rows)
+        ScheduledChunk([5 + s], CONTEXT, [b * SEQS + s for b in range(BLOCKS_PER_SEQ)], True)
+        for s in range(rows)
     ]
     return build_forward_batch(chunks, BLOCK_SIZE, CPU)
 
