@@ -206,13 +206,17 @@ class StepPipeline:
         sbo_depth: int = 2,
         switch_interval: float | None = None,
         one_thread: bool = False,
+        results: zmq.Socket | None = None,
     ) -> None:
         """`sbo_depth`: steps the staging thread may hold staged ahead of the compute thread.
         `switch_interval`: with SBO, Python's thread switch interval in seconds while the pipeline
         runs (None: leave it). A thread that wants the interpreter lock waits up to that long for
         one that holds it: with Python's 5 ms, every hand-over between the staging, compute and
         reply threads could cost a whole GPU decode step. `one_thread`: SBO in one thread (CUDA:
-        the device computes while the thread stages; see _run_one_thread)."""
+        the device computes while the thread stages; see _run_one_thread). `results`: a socket to
+        the scheduler that only sends, for the compute thread's replies in CPU SBO: they then go
+        out as soon as they are made, not through the staging thread, which would have to wake up
+        for each one while the next forward runs (None: through the staging thread, on `socket`)."""
         assert sbo_depth >= 1, f"sbo_depth {sbo_depth} < 1"
         self.socket = socket
         self.runner = runner
@@ -220,6 +224,7 @@ class StepPipeline:
         self.sbo_depth = sbo_depth
         self.switch_interval = switch_interval
         self.one_thread = one_thread
+        self.results = results
 
     def run(self) -> None:
         if not self.sbo:
@@ -393,7 +398,8 @@ class StepPipeline:
         # On a GPU with SBO a reply waits for its step's tokens, so a thread of its own makes and
         # sends the replies, in order: the compute thread goes on launching and the staging thread
         # goes on staging. On the CPU the step is done when execute returns, and the compute
-        # thread sends its reply itself.
+        # thread sends its reply itself: on `results` when the worker gave one, else through the
+        # staging thread.
         deliver: Deliver
         close: Callable[[], None]  # after the last reply: b"" wakes the staging thread so it exits
         if self.runner.streams is not None:
@@ -415,9 +421,10 @@ class StepPipeline:
         else:
             results_out = context.socket(zmq.PUSH)
             results_out.connect(address)
+            replies_to = results_out if self.results is None else self.results
 
             def send_now(reply: Callable[[], bytes], _done: torch.cuda.Event | None) -> None:
-                results_out.send(reply())
+                replies_to.send(reply())
 
             def close_results() -> None:
                 results_out.send(b"")

@@ -154,6 +154,16 @@ class Heartbeat:
             socket.close(linger=0)
 
 
+def results_socket(context: zmq.Context[zmq.Socket[bytes]], config: WorkerConfig) -> zmq.Socket[bytes]:
+    """A DEALER to the scheduler that only sends step results (StepPipeline's `results`)."""
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 1000)
+    if config.zmq_curve_worker_secret:
+        curve.secure_client(socket, config.zmq_curve_worker_secret, config.zmq_curve_server_key)
+    socket.connect(config.scheduler_address)
+    return socket
+
+
 def make_attention(
     name: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
 ) -> TorchPagedAttention | TritonPagedAttention:
@@ -195,7 +205,10 @@ def make_attention(
     if fused is not None and dtype == torch.float32 and block_kernel() is not None:
         try:  # for a model whose linears have GGUF blocks (--block-linear)
             stack = load_cpu_decode_stack(
-                model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size, blocks=True
+                model_config.head_dim,
+                model_config.num_heads // model_config.num_kv_heads,
+                block_size,
+                blocks=True,
             )
         except KernelBuildError as exc:
             log.warning("CPU float32 decode stack unavailable, decode steps call each op: %s", exc)
@@ -387,6 +400,8 @@ def _run(config: WorkerConfig) -> int:
         )
         heartbeat = Heartbeat(config.scheduler_address, config.worker_id, config)
         heartbeat.start()
+        # CPU SBO: the compute thread sends its replies on a socket of its own.
+        results = results_socket(context, config) if sbo and streams is None else None
         try:
             StepPipeline(
                 socket,
@@ -395,9 +410,12 @@ def _run(config: WorkerConfig) -> int:
                 config.sbo_depth,
                 config.sbo_switch_interval_ms / 1e3,
                 one_thread=one_thread,
+                results=results,
             ).run()
         finally:
             heartbeat.stop()
+            if results is not None:
+                results.close(linger=1000)
         log.info("shutdown requested by the scheduler")
         return 0
     finally:

@@ -1,7 +1,9 @@
 """The scheduler's end of the ZeroMQ link to its worker(s).
 
-The scheduler binds a ROUTER socket; each worker connects a DEALER. Messages are
-the protobufs of protos/worker.proto, one per ZeroMQ frame; nothing is pickled.
+The scheduler binds a ROUTER socket; each worker connects a DEALER, which it sends its Hello
+on and receives steps from (and up to two more DEALERs that only send: heartbeats, and the
+results of a CPU worker with SBO). Messages are the protobufs of protos/worker.proto, one per
+ZeroMQ frame; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ class WorkerLink:
                 )
                 continue
             break
-        if message.WhichOneof("kind") != "heartbeat":  # heartbeats come over a socket of their own
+        # A worker's Hello comes over the socket it receives steps on; heartbeats, and on a CPU
+        # worker with SBO its results, come over sockets of their own.
+        if message.WhichOneof("kind") == "hello":
             self._identity = bytes(identity.buffer)
         return message
 
