@@ -25,7 +25,9 @@ def test_results_and_heartbeats_from_other_sockets_do_not_move_the_steps(tmp_pat
         heartbeats = context.socket(zmq.DEALER)
         heartbeats.connect(address)
         try:
-            main.send(worker_pb2.WorkerMessage(hello=worker_pb2.Hello(worker_id=0, pid=1)).SerializeToString())
+            main.send(
+                worker_pb2.WorkerMessage(hello=worker_pb2.Hello(worker_id=0, pid=1)).SerializeToString()
+            )
             assert (await asyncio.wait_for(link.recv(), 5)).WhichOneof("kind") == "hello"
             result = worker_pb2.WorkerMessage(result=worker_pb2.StepResult(step_id=7))
             results.send(result.SerializeToString())
