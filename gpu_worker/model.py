@@ -360,6 +360,38 @@ class LlamaModel(nn.Module):
                     yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices))
 
+    def stack_layers(
+        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: bool
+    ) -> list[StackLayer] | None:
+        """Each decoder layer's tensors over these KV caches, as a decode stack binds them
+        (kernels/cpu_stack.py): with the linears' GGUF blocks (`blocks`) or their pair-layout
+        weights; None where a linear has none."""
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
+        found: list[StackLayer] = []
+        for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True):
+            four = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            pair = None if blocks else _pair_weights(*four)
+            block = _block_weights(*four) if blocks else None
+            if pair is None and block is None:
+                return None
+            found.append(
+                StackLayer(
+                    qkv_weight=layer.qkv_weight.detach(),
+                    qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.detach(),
+                    o_weight=layer.o_weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up_weight=layer.gate_up_weight.detach(),
+                    down_weight=layer.down_weight.detach(),
+                    next_norm=norm.detach(),
+                    k_cache=k_cache,
+                    v_cache=v_cache,
+                    pair_weights=pair or (),
+                    block_weights=block or (),
+                )
+            )
+        return found
+
     def _run_decode_stack(
         self,
         layers: Sequence[DecoderLayer],
@@ -387,10 +419,8 @@ class LlamaModel(nn.Module):
             return None
         key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._bound_stack is None or self._bound_stack[0] != key:
-            linears = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
-            pairs = [_pair_weights(*four) for four in linears]
-            blocks = [_block_weights(*four) for four in linears]
-            if any(w is None for w in (blocks if decode_stack.blocks else pairs)):
+            stack_layers = self.stack_layers(kv_caches, decode_stack.blocks)
+            if stack_layers is None:
                 self._bound_stack = (key, None)  # a linear without the stack's kernel
                 return None
             engine = layers[0].qkv.pair_engine
@@ -399,28 +429,7 @@ class LlamaModel(nn.Module):
                     f"decode stack: its pair-layout linear runs on {decode_stack.pair_engine}, "
                     f"the model's on {engine}"
                 )
-            norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
-            bound = decode_stack.bind(
-                [
-                    StackLayer(
-                        qkv_weight=layer.qkv_weight.detach(),
-                        qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.detach(),
-                        o_weight=layer.o_weight.detach(),
-                        post_norm=layer.post_attention_layernorm.weight.detach(),
-                        gate_up_weight=layer.gate_up_weight.detach(),
-                        down_weight=layer.down_weight.detach(),
-                        next_norm=norm.detach(),
-                        k_cache=k_cache,
-                        v_cache=v_cache,
-                        pair_weights=pair or (),
-                        block_weights=block or (),
-                    )
-                    for layer, norm, (k_cache, v_cache), pair, block in zip(
-                        layers, norms, kv_caches, pairs, blocks, strict=True
-                    )
-                ],
-                self.config.rms_norm_eps,
-            )
+            bound = decode_stack.bind(stack_layers, self.config.rms_norm_eps)
             self._bound_stack = (key, bound)
         stack = self._bound_stack[1]
         if stack is None or batch.num_tokens > stack.max_rows:

@@ -14,13 +14,13 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
 from gpu_worker.linear import block_kernel
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
-from gpu_worker.model import DecoderLayer, LlamaModel
+from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
 from kernels import cpu_block_linear
 from kernels.cpu_block_linear import BlockWeight
-from kernels.cpu_stack import BoundStack, StackLayer
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
+from tests.worker_steps import CountingRuns
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -74,18 +74,6 @@ def decode_batch(rows: int) -> Any:
         for s in range(rows)
     ]
     return build_forward_batch(chunks, BLOCK_SIZE, CPU)
-
-
-class CountingRuns:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.runs = 0
-        original = BoundStack.run
-
-        def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
-            self.runs += 1
-            return original(bound, *args, **kwargs)
-
-        monkeypatch.setattr(BoundStack, "run", run)
 
 
 def test_the_worker_loads_it_here() -> None:
@@ -143,23 +131,8 @@ def test_bind_names_the_blocks_it_cannot_take(
     cache = filled_cache(config)
     attention = model.attention
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
-    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-    norms = [layer.input_layernorm.weight for layer in layers[1:]] + [model.norm.weight]
-    stack_layers = [
-        StackLayer(
-            qkv_weight=layer.qkv_weight.detach(),
-            qkv_bias=None,
-            o_weight=layer.o_weight.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up_weight=layer.gate_up_weight.detach(),
-            down_weight=layer.down_weight.detach(),
-            next_norm=norm.detach(),
-            k_cache=k,
-            v_cache=v,
-            block_weights=(layer.qkv.blocks, layer.o_proj.blocks, layer.gate_up.blocks, layer.down.blocks),
-        )
-        for layer, norm, (k, v) in zip(layers, norms, cache, strict=True)
-    ]
+    stack_layers = model.stack_layers(cache, blocks=True)
+    assert stack_layers is not None
     bound = attention.decode_stack.bind(stack_layers, config.rms_norm_eps)
     assert bound.max_rows == cpu_block_linear.MAX_ROWS and bound.dtype == torch.float32
     swapped = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[::-1])

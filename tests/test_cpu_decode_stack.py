@@ -18,9 +18,9 @@ from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
 from kernels import cpu_pair_linear
-from kernels.cpu_stack import BoundStack, StackLayer, load_cpu_decode_stack
+from kernels.cpu_stack import StackLayer, load_cpu_decode_stack
 from tests.cpu_features import has_avx512_bf16
-from tests.worker_steps import save_tiny_llama
+from tests.worker_steps import CountingRuns, save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,20 +50,6 @@ def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaMod
         attention.decode_stack = None
     model.use_attention(attention)
     return model, allocate_kv_cache(config, 80, BLOCK_SIZE, torch.bfloat16, CPU)
-
-
-class CountingRuns:
-    """Counts BoundStack.run calls and the layer boundaries it reports."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.runs = 0
-        original = BoundStack.run
-
-        def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
-            self.runs += 1
-            return original(bound, *args, **kwargs)
-
-        monkeypatch.setattr(BoundStack, "run", run)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 19])  # 19: more than one tile or block of rows

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import zmq
 
@@ -21,6 +22,7 @@ from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.worker import make_attention
+from kernels.cpu_stack import BoundStack
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running
 
@@ -281,3 +283,17 @@ class SchedulerScript:
     def take_tokens(self, result: worker_pb2.StepResult) -> None:
         for seq_id, token in tokens_of(result).items():
             self.seqs[seq_id].tokens.append(token)
+
+
+class CountingRuns:
+    """Counts BoundStack.run calls (decode steps that took a one-call decode stack)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.runs = 0
+        original = BoundStack.run
+
+        def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.runs += 1
+            return original(bound, *args, **kwargs)
+
+        monkeypatch.setattr(BoundStack, "run", run)
