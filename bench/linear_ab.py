@@ -24,16 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_worker.linear import Linear, block_kernel
 from gpu_worker.loader import load_block_weights, load_model
-from gpu_worker.model import DecoderLayer, LlamaModel
+from gpu_worker.model import LlamaModel
 from scheduler.model_files import find_default_model
-
-
-def linears(model: LlamaModel) -> list[Linear]:
-    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-    found: list[Linear] = [model.lm_head_linear]
-    for layer in layers:
-        found += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-    return found
 
 
 def one_pass(all_linears: list[Linear], rows: int, run: Callable[[Linear, torch.Tensor], object]) -> float:
@@ -53,7 +45,7 @@ def main() -> None:
     config, weights = load_model(path)
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights, load_block_weights(path, config))
-    all_linears = linears(model)
+    all_linears = model.linears()
     if not all(lin.packed for lin in all_linears):
         sys.exit("oneDNN's packed float32 linear does not run here: nothing to compare")
     kernel = block_kernel()

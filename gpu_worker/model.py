@@ -298,14 +298,18 @@ class LlamaModel(nn.Module):
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head))
 
-    @property
-    def block_linears(self) -> int:
-        """How many of the linears (four per layer and the head) have GGUF blocks for the block kernel."""
+    def linears(self) -> list[Linear]:
+        """Every linear: the LM head, then each layer's qkv, o, gate/up and down."""
         found = [self.lm_head_linear]
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             found += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
-        return sum(lin.blocks is not None for lin in found)
+        return found
+
+    @property
+    def block_linears(self) -> int:
+        """How many of the linears have GGUF blocks for the block kernel."""
+        return sum(lin.blocks is not None for lin in self.linears())
 
     @torch.inference_mode()
     def forward(

@@ -160,24 +160,35 @@ class BoundStack:
                 tensor,
                 f"a contiguous {dtype_name} CPU tensor of shape {shape}",
             )
-        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-        if self.stack.blocks:
+        if not self.stack.blocks:
             require(
-                len(layer.block_weights) == 4,
-                f"layers[{index}].block_weights",
+                hidden % 32 == 0 and q_size % 32 == 0 and ffn % 32 == 0 and kv_size % 16 == 0,
+                f"layers[{index}].qkv_weight",
                 layer.qkv_weight,
-                "four weights",
+                "hidden, q_size and ffn multiples of 32, kv_size of 16 (the pair-layout linear's tiling)",
             )
-            for name, blocks in zip(names, layer.block_weights, strict=True):
-                out, k = expected[name]
+        field = "block_weights" if self.stack.blocks else "pair_weights"
+        weights = getattr(layer, field)
+        require(len(weights) == 4, f"layers[{index}].{field}", layer.qkv_weight, "four weights")
+        for name, weight in zip(
+            ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"), weights, strict=True
+        ):
+            out, k = expected[name]
+            if self.stack.blocks:
                 require(
-                    (blocks.n, blocks.k) == (out, k),
-                    f"layers[{index}].block_weights ({name})",
-                    blocks.blocks,
+                    (weight.n, weight.k) == (out, k),
+                    f"layers[{index}].{field} ({name})",
+                    weight.blocks,
                     f"the GGUF blocks of a [{out}, {k}] weight",
                 )
-        else:
-            self._check_pairs(index, layer, expected)
+                continue
+            shape = (out // 16, k // 32, 16, 16, 2)
+            require(
+                tuple(weight.shape) == shape and weight.dtype == torch.bfloat16 and weight.is_contiguous(),
+                f"layers[{index}].{field} ({name})",
+                weight,
+                f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
+            )
         cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
@@ -186,31 +197,6 @@ class BoundStack:
                 f"layers[{index}].{name}",
                 cache,
                 f"a contiguous {dtype_name} tensor of shape {cache_shape}",
-            )
-
-    def _check_pairs(self, index: int, layer: StackLayer, expected: dict[str, tuple[int, ...]]) -> None:
-        hidden, q_size, kv_size, ffn = self.hidden, self.q_size, self.kv_size, self.ffn
-        require(
-            hidden % 32 == 0 and q_size % 32 == 0 and ffn % 32 == 0 and kv_size % 16 == 0,
-            f"layers[{index}].qkv_weight",
-            layer.qkv_weight,
-            "hidden, q_size and ffn multiples of 32, kv_size of 16 (the pair-layout linear's tiling)",
-        )
-        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-        require(
-            len(layer.pair_weights) == 4,
-            f"layers[{index}].pair_weights",
-            layer.qkv_weight,
-            "four weights",
-        )
-        for name, packed in zip(names, layer.pair_weights, strict=True):
-            out, k = expected[name]
-            shape = (out // 16, k // 32, 16, 16, 2)
-            require(
-                tuple(packed.shape) == shape and packed.dtype == torch.bfloat16 and packed.is_contiguous(),
-                f"layers[{index}].pair_weights ({name})",
-                packed,
-                f"a contiguous bfloat16 tensor of shape {shape} (kernels.cpu_pair_linear.pack)",
             )
 
     def run(
