@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 # oneDNN picks its blocking for this many rows; decode steps batch about this many sequences.
 PACKING_BATCH_HINT = 64
 
-# Steps of up to this many rows take the block kernel where a linear has GGUF blocks. Past it the
-# float32 multiplies, not the weights' bytes, set the time, and oneDNN's packed kernel on the
-# float32 copy multiplies faster: on a 2-core AMD EPYC (Zen 3), SmolLM2's linears and head at 32
-# rows took 159 ms on blocks against oneDNN's 179, at 48 rows 249 against 237 (bench/linear_ab.py).
+# Steps of up to this many rows take the block kernel where a linear has GGUF blocks; past it
+# oneDNN's packed kernel on the float32 copy multiplies as fast or faster. On a 2-core AMD EPYC
+# (Zen 3), SmolLM2's linears and head took 149 ms on blocks against oneDNN's 255 at 64 rows, 637
+# against 664 at 256 and 1549 against 1325 at 512 (bench/linear_ab.py).
 BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
 
 

@@ -1,11 +1,14 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept in its GGUF blocks (Q8_0, Q4_0, Q4_1),
-for decode-sized batches on the CPU.
+on the CPU, for decode steps and prefill chunks of up to MAX_ROWS rows.
 
-A decode step streams every weight from memory once, so its linears take as long as the weights'
-bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4- and 8-bit blocks and
-widens them to float32 in registers: SmolLM2-135M's linears and head are 96 MB that way against
-538 MB in float32. The products are those of the dequantized weight (the additions in another
-order), so the result matches x @ dequantize(weight).T to float32 rounding. AVX2, FMA and F16C
+A decode step of a few sequences streams every weight from memory once, so its linears take as
+long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
+and 8-bit blocks and widens them to float32 in registers: SmolLM2-135M's linears and head are
+96 MB that way against 538 MB in float32. Past a few rows the multiplies set the time; the kernel
+then widens panels of weight rows into cache and multiplies in register tiles, faster than
+oneDNN's packed float32 kernel up to about MAX_ROWS rows (bench/linear_ab.py). The products are
+those of the dequantized weight (the additions in another order), so the result matches
+x @ dequantize(weight).T to float32 rounding. AVX2, FMA and F16C
 are needed; elsewhere `load_block_linear` raises `KernelBuildError` and the worker keeps its
 float32 copies for every step.
 """
@@ -24,7 +27,7 @@ import torch
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 
-MAX_ROWS = 32  # the worker takes oneDNN past this (gpu_worker/linear.py)
+MAX_ROWS = 256  # the worker takes oneDNN past this (gpu_worker/linear.py)
 
 # ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8

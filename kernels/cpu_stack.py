@@ -10,7 +10,7 @@ path's, bit for bit, and the step pays one call (more only when the worker has u
 run between layers). Two builds:
 - bfloat16, for batches of up to cpu_pair_linear.MAX_ROWS rows, its linear the pair-layout one
   built for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products);
-- float32 (`blocks=True`), for up to cpu_block_linear.MAX_ROWS rows, its linear the block kernel
+- float32 (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block kernel
   on the GGUF file's Q8_0/Q4_0/Q4_1 blocks (AVX2). On a 2-core AMD EPYC (Zen 3) a one-sequence
   SmolLM2 decode step took ~31 ms op by op, ~18 of them in the linears.
 
@@ -28,11 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_block_linear, cpu_pair_linear
+from kernels import cpu_pair_linear
 from kernels._launch import require
 from kernels.cpu_block_linear import BlockWeight
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
+
+# The float32 build's decode steps: up to this many sequences (its scratch is sized for them);
+# larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
+BLOCK_STACK_MAX_ROWS = 64
 
 _lock = threading.Lock()
 _loaded: dict[tuple[int, int, int, bool, bool], CpuDecodeStack] = {}
@@ -335,7 +339,7 @@ class CpuDecodeStack:
         self.pair_engine = pair_engine
         self.blocks = blocks  # float32 on GGUF blocks, not bfloat16 on pairs
         self.dtype = torch.float32 if blocks else torch.bfloat16
-        self.max_rows = cpu_block_linear.MAX_ROWS if blocks else cpu_pair_linear.MAX_ROWS
+        self.max_rows = BLOCK_STACK_MAX_ROWS if blocks else cpu_pair_linear.MAX_ROWS
         self.head_dim = head_dim
         self.group = group
         self.block_size = block_size

@@ -55,8 +55,11 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 33])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (40, 576)])
+# Up to 6 rows stream the weight; past that the tiled path takes rows 16 at a time (15/16/17 and
+# 33 end a group short, even and one over) and outputs in panels (301 x 1536: panels of 24, the
+# last one short).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (40, 576), (301, 1536)])
 def test_kernel_matches_the_dequantized_product(
     kernel: BlockLinear, type_: int, rows: int, n: int, k: int
 ) -> None:
@@ -70,14 +73,29 @@ def test_kernel_matches_the_dequantized_product(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_rows_of_x_may_be_strided(kernel: BlockLinear) -> None:
+@pytest.mark.parametrize("rows", [5, 40])  # both paths
+def test_rows_of_x_may_be_strided(kernel: BlockLinear, rows: int) -> None:
     weight = block_weight(Q4_1, 16, 64, seed=1)
-    wide = torch.randn(5, 100)
+    wide = torch.randn(rows, 100)
     x = wide[:, 3:67]  # rows 100 floats apart
     assert x.stride() == (100, 1)
     want = x.double() @ weight.dequantize().double().T
     torch.testing.assert_close(kernel(x, weight).double(), want, rtol=1e-5, atol=1e-5)
     assert kernel(x[:0], weight).shape == (0, 16)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_number_of_threads_covers_every_output(kernel: BlockLinear, threads: int) -> None:
+    weight = block_weight(Q8_0, 301, 576, seed=threads)
+    x = torch.randn(40, 576)
+    want = x.double() @ weight.dequantize().double().T
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(x, weight)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:

@@ -16,8 +16,8 @@ from gpu_worker.linear import block_kernel
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
-from kernels import cpu_block_linear
 from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 from tests.worker_steps import CountingRuns
@@ -25,7 +25,7 @@ from tests.worker_steps import CountingRuns
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 CONTEXT = 40  # tokens already cached per sequence
-SEQS = 34  # one more than the stack takes: cpu_block_linear.MAX_ROWS + 2
+SEQS = BLOCK_STACK_MAX_ROWS + 2  # more than the stack takes
 BLOCKS_PER_SEQ = 4
 
 pytestmark = pytest.mark.skipif(
@@ -80,7 +80,7 @@ def test_the_worker_loads_it_here() -> None:
     assert block_kernel() is not None  # CPUs with AVX2, FMA and F16C: this module's skip says so
 
 
-@pytest.mark.parametrize("rows", [1, 3, cpu_block_linear.MAX_ROWS, cpu_block_linear.MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 7, BLOCK_STACK_MAX_ROWS, BLOCK_STACK_MAX_ROWS + 1])
 def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     rows: int,
@@ -94,7 +94,7 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     got = stacked(batch, stacked_cache)
     want = per_op(batch, per_op_cache)
     # Past the stack's rows the per-op path runs (and the weights' float32 copies, through oneDNN).
-    assert counting.runs == (1 if rows <= cpu_block_linear.MAX_ROWS else 0)
+    assert counting.runs == (1 if rows <= BLOCK_STACK_MAX_ROWS else 0)
     assert torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
@@ -134,7 +134,7 @@ def test_bind_names_the_blocks_it_cannot_take(
     stack_layers = model.stack_layers(cache, blocks=True)
     assert stack_layers is not None
     bound = attention.decode_stack.bind(stack_layers, config.rms_norm_eps)
-    assert bound.max_rows == cpu_block_linear.MAX_ROWS and bound.dtype == torch.float32
+    assert bound.max_rows == BLOCK_STACK_MAX_ROWS and bound.dtype == torch.float32
     swapped = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[::-1])
     with pytest.raises(ValueError, match=r"layers\[1\]\.block_weights \(qkv_weight\)"):
         attention.decode_stack.bind([stack_layers[0], swapped], config.rms_norm_eps)

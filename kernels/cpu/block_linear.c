@@ -1,6 +1,6 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept in the GGUF file's own blocks (Q8_0, Q4_0,
- * Q4_1), for decode-sized batches. A decode step streams every weight once and does two flops
+ * Q4_1). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
  *
@@ -13,13 +13,19 @@
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits fits float32's mantissa; the
  * additive term joins with one rounding), so the result is x @ dequantize(w).T with the
- * additions in another order: equal to float32 rounding. Each thread takes an equal run of output rows; per
- * output row, rows of x go in passes of up to four, the weight row's blocks read from memory by
- * the first pass and from the first-level cache by the next.
+ * additions in another order: equal to float32 rounding.
+ *
+ * Two paths, by the number of rows of x:
+ * - up to STREAM_ROWS (a decode step of a few sequences): the weights' bytes set the time. Each
+ *   thread takes an equal run of output rows and widens each weight row's blocks once, in
+ *   registers, for all rows of x.
+ * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
+ *   below widens panels of weight rows into cache and multiplies in register tiles.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the block linear needs AVX2, FMA and F16C"
@@ -27,6 +33,8 @@
 
 /* ggml's type numbers, as in the GGUF file. */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
+
+#define STREAM_ROWS 6
 
 static inline float half_to_float(const uint8_t *p)
 {
@@ -74,7 +82,7 @@ static inline float sum8(__m256 v)
 }
 
 /*
- * Output `n` for `rows` (1-4) rows of x from `x`, on `type` blocks (both constants once
+ * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks (both constants once
  * inlined). Chains of additions: four per row for one or two rows, two per row past that, so
  * that the additions' latency hides behind the widening and the loads.
  */
@@ -83,7 +91,7 @@ static inline __attribute__((always_inline)) void pass(
     int64_t n, float bias, const int type, const int rows)
 {
     const int chains = rows <= 2 ? 4 : 2;
-    __m256 acc[6][4];
+    __m256 acc[STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chains; c++) acc[r][c] = _mm256_setzero_ps();
     const int64_t size = block_bytes(type);
@@ -103,34 +111,27 @@ static inline __attribute__((always_inline)) void pass(
     }
 }
 
-/* Output `n` for every row of x, on `type` blocks (a constant once inlined). */
+/* Output `n` for every row of x (at most STREAM_ROWS), on `type` blocks (a constant once inlined). */
 static inline __attribute__((always_inline)) void output(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t rows,
     int64_t n_total, int64_t n, float bias, const int type)
 {
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6)
-        pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 6);
-    switch (rows - r) {
-    case 5: pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 5); break;
-    case 4: pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 4); break;
-    case 3: pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 3); break;
-    case 2: pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 2); break;
-    case 1: pass(x + r * x_stride, x_stride, blocks, row, y + r * n_total, n_total, n, bias, type, 1); break;
+    switch (rows) {
+    case 6: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 6); break;
+    case 5: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 5); break;
+    case 4: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 4); break;
+    case 3: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 3); break;
+    case 2: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 2); break;
+    case 1: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 1); break;
     default: break;
     }
 }
 
-/*
- * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
- * `type` blocks, k / 32 per output row; bias may be NULL. Returns 0, or -1 for an unknown type
- * or k not in 32s.
- */
-int duoserve_block_linear(
+/* The streaming path: each weight row read once from memory, for all rows of x in one pass. */
+static void stream_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
     int64_t n, int64_t k, int threads)
 {
-    if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
     const int64_t blocks = k / 32;
     const int64_t row_bytes = blocks * block_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -144,5 +145,181 @@ int duoserve_block_linear(
         else
             output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0);
     }
-    return 0;
+}
+
+/*
+ * Many rows (prefill chunks, large decode batches): there the multiplies, not the weights' bytes,
+ * set the time, and widening a block again for every few rows costs more than it saves. Each
+ * thread widens a panel of output rows once into a float32 scratch that stays in its second-level
+ * cache. x is copied once a call into column order, TILE_ROWS rows at a time ([k][TILE_ROWS], the
+ * last group padded with zeros), so that a register tile of TILE_ROWS rows by TILE_OUTS outputs
+ * takes, per k, two loads of x and one broadcast weight per output for 2 * TILE_OUTS
+ * multiply-adds into as many independent sums. Rows go in bands of BAND_GROUPS groups, each
+ * panel widened again per band, so that a band of x stays in cache while the panels pass over it.
+ * The values multiplied are the same widened ones as above; each sum runs over k in order.
+ */
+#define TILE_ROWS 16
+#define TILE_OUTS 6
+#define BAND_GROUPS 4 /* row groups a panel is widened for: x's band stays in cache */
+#define PANEL_BYTES (160 * 1024) /* of a core's 512 KB second-level cache on Zen 3 */
+
+static inline __attribute__((always_inline)) void widen_row(const uint8_t *row, int64_t blocks, const int type, float *out)
+{
+    const int64_t size = block_bytes(type);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 w[4];
+        widen(row + b * size, type, w);
+        for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * b + 8 * j, w[j]);
+    }
+}
+
+/* y[r][o] = x[r] . w[o] (+ bias[o]) for r < rows and o < outs (at most TILE_ROWS and TILE_OUTS;
+ * xt holds TILE_ROWS rows and w TILE_OUTS outputs, padded with zeros). xt is [k][TILE_ROWS], w the
+ * widened panel, row stride k. The sums are named, not an array, so that they stay in registers. */
+static void tile(const float *xt, const float *w, int64_t k, float *y, int64_t y_stride, const float *bias,
+                 int rows, int outs)
+{
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k, *w4 = w + 4 * k, *w5 = w + 5 * k;
+    for (int64_t i = 0; i < k; i++) {
+        const __m256 x0 = _mm256_load_ps(xt + i * TILE_ROWS);
+        const __m256 x1 = _mm256_load_ps(xt + i * TILE_ROWS + 8);
+        __m256 b = _mm256_broadcast_ss(w0 + i);
+        a00 = _mm256_fmadd_ps(b, x0, a00);
+        a01 = _mm256_fmadd_ps(b, x1, a01);
+        b = _mm256_broadcast_ss(w1 + i);
+        a10 = _mm256_fmadd_ps(b, x0, a10);
+        a11 = _mm256_fmadd_ps(b, x1, a11);
+        b = _mm256_broadcast_ss(w2 + i);
+        a20 = _mm256_fmadd_ps(b, x0, a20);
+        a21 = _mm256_fmadd_ps(b, x1, a21);
+        b = _mm256_broadcast_ss(w3 + i);
+        a30 = _mm256_fmadd_ps(b, x0, a30);
+        a31 = _mm256_fmadd_ps(b, x1, a31);
+        b = _mm256_broadcast_ss(w4 + i);
+        a40 = _mm256_fmadd_ps(b, x0, a40);
+        a41 = _mm256_fmadd_ps(b, x1, a41);
+        b = _mm256_broadcast_ss(w5 + i);
+        a50 = _mm256_fmadd_ps(b, x0, a50);
+        a51 = _mm256_fmadd_ps(b, x1, a51);
+    }
+    float columns[TILE_OUTS][TILE_ROWS] __attribute__((aligned(32)));
+    _mm256_store_ps(columns[0], a00), _mm256_store_ps(columns[0] + 8, a01);
+    _mm256_store_ps(columns[1], a10), _mm256_store_ps(columns[1] + 8, a11);
+    _mm256_store_ps(columns[2], a20), _mm256_store_ps(columns[2] + 8, a21);
+    _mm256_store_ps(columns[3], a30), _mm256_store_ps(columns[3] + 8, a31);
+    _mm256_store_ps(columns[4], a40), _mm256_store_ps(columns[4] + 8, a41);
+    _mm256_store_ps(columns[5], a50), _mm256_store_ps(columns[5] + 8, a51);
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++) y[r * y_stride + o] = columns[o][r] + (bias == NULL ? 0.0f : bias[o]);
+}
+
+/* Scratch of this thread's, grown as needed and kept for its next call: a panel for each thread
+ * that multiplies, and x in column order for each thread that calls. */
+static __thread float *panel_floats = NULL, *column_floats = NULL;
+static __thread int64_t panel_capacity = 0, column_capacity = 0;
+
+static float *thread_scratch(float **scratch, int64_t *capacity, int64_t floats)
+{
+    if (floats > *capacity) {
+        free(*scratch);
+        *scratch = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        *capacity = *scratch == NULL ? 0 : floats;
+    }
+    return *scratch;
+}
+
+/* Widen weight rows first .. first + outs - 1 into `panel` (row stride k), zero rows after them
+ * up to a whole tile. */
+static void widen_panel(const uint8_t *w, int type, int64_t first, int64_t outs, int64_t k, float *panel)
+{
+    const int64_t blocks = k / 32;
+    const int64_t row_bytes = blocks * block_bytes(type);
+    for (int64_t o = 0; o < outs; o++) {
+        const uint8_t *row = w + (first + o) * row_bytes;
+        if (type == TYPE_Q8_0)
+            widen_row(row, blocks, TYPE_Q8_0, panel + o * k);
+        else if (type == TYPE_Q4_1)
+            widen_row(row, blocks, TYPE_Q4_1, panel + o * k);
+        else
+            widen_row(row, blocks, TYPE_Q4_0, panel + o * k);
+    }
+    for (int64_t o = outs; o < (outs + TILE_OUTS - 1) / TILE_OUTS * TILE_OUTS; o++)
+        for (int64_t i = 0; i < k; i++) panel[o * k + i] = 0.0f;
+}
+
+/* Rows first_row .. first_row + TILE_ROWS - 1 of x (those below `rows`; zeros past them) into xt
+ * as [k][TILE_ROWS]. */
+static void columns_of(const float *x, int64_t x_stride, int64_t rows, int64_t first_row, int64_t k, float *xt)
+{
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const int64_t row = first_row + r;
+        for (int64_t i = 0; i < k; i++) xt[i * TILE_ROWS + r] = row < rows ? x[row * x_stride + i] : 0.0f;
+    }
+}
+
+/* The tiled path, x copied into `xt` (ceil(rows / TILE_ROWS) * TILE_ROWS * k floats, 32-byte
+ * aligned); -2 where a thread's panel cannot be had. */
+static int tiled_rows(
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
+    int64_t n, int64_t k, float *xt, int threads)
+{
+    const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    /* Panels of a multiple of TILE_OUTS outputs, as many as fit PANEL_BYTES, their count a
+     * multiple of the threads so that each thread gets as much to do. */
+    int64_t most = PANEL_BYTES / (4 * k) / TILE_OUTS * TILE_OUTS;
+    if (most < TILE_OUTS) most = TILE_OUTS;
+    int64_t panels = (n + most - 1) / most;
+    panels = (panels + threads - 1) / threads * threads;
+    const int64_t width = ((n + panels - 1) / panels + TILE_OUTS - 1) / TILE_OUTS * TILE_OUTS;
+    panels = (n + width - 1) / width;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) columns_of(x, x_stride, rows, g * TILE_ROWS, k, xt + g * k * TILE_ROWS);
+        float *panel = thread_scratch(&panel_floats, &panel_capacity, width * k);
+        failed = panel == NULL;
+        /* Every thread meets every loop (OpenMP's rule); the same panels go to the same thread in
+         * every band, so none waits for the others between bands. */
+        for (int64_t band = 0; band < groups; band += BAND_GROUPS) {
+            const int64_t band_end = band + BAND_GROUPS < groups ? band + BAND_GROUPS : groups;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < panels; p++) {
+                if (panel == NULL) continue;
+                const int64_t first = p * width;
+                const int64_t outs = n - first < width ? n - first : width;
+                widen_panel(w, type, first, outs, k, panel);
+                for (int64_t g = band; g < band_end; g++) {
+                    const int64_t r = g * TILE_ROWS;
+                    const int tile_rows = rows - r < TILE_ROWS ? (int)(rows - r) : TILE_ROWS;
+                    for (int64_t o = 0; o < outs; o += TILE_OUTS)
+                        tile(xt + g * k * TILE_ROWS, panel + o * k, k, y + r * n + first + o, n,
+                             bias == NULL ? NULL : bias + first + o, tile_rows,
+                             outs - o < TILE_OUTS ? (int)(outs - o) : TILE_OUTS);
+                }
+            }
+        }
+    }
+    return failed ? -2 : 0;
+}
+
+/*
+ * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
+ * `type` blocks, k / 32 per output row; bias may be NULL. Up to STREAM_ROWS rows stream the
+ * weight once (a decode step's time is its bytes); more take the tiled path (their time is the
+ * multiplies). Returns 0, -1 for an unknown type or k not in 32s, -2 when scratch cannot be had.
+ */
+int duoserve_block_linear(
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
+    int64_t n, int64_t k, int threads)
+{
+    if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
+    if (rows <= STREAM_ROWS) {
+        stream_rows(x, x_stride, w, type, bias, y, rows, n, k, threads);
+        return 0;
+    }
+    float *xt = thread_scratch(&column_floats, &column_capacity, (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
+    return xt == NULL ? -2 : tiled_rows(x, x_stride, w, type, bias, y, rows, n, k, xt, threads);
 }
