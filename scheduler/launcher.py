@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler.cli import SCHEDULER_FLAGS, TRACING_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
 from scheduler.config import SchedulerConfig
 from scheduler.proctitle import die_with_parent, set_process_title
+from scheduler.security import SecurityConfigError, check_files
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,11 @@ def serve(args: Namespace) -> int:
     """Run the whole server until SIGINT/SIGTERM; returns the exit code."""
     set_process_title("serve")
     config: SchedulerConfig = scheduler_config(args)
+    try:
+        check_files(config.api_key_file, config.tls_cert, config.tls_key, config.tls_client_ca)
+    except SecurityConfigError as err:
+        log.error("%s", err)
+        return 2
     model = ["--model", config.model, "--log-level", args.log_level]
     children = []
     worker_argvs = []

@@ -52,6 +52,14 @@ def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCreden
     )
 
 
+def check_files(api_key_file: str, cert: str, key: str, client_ca: str) -> None:
+    """Read the API-key and TLS files as the scheduler will; SecurityConfigError names a bad one.
+    `duoserve serve` calls it before it starts any process, not after the workers have loaded."""
+    if api_key_file:
+        load_api_keys(api_key_file)
+    server_credentials(cert, key, client_ca)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without a known `authorization: Bearer <key>` (health stays open)."""
 

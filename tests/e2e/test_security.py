@@ -112,7 +112,23 @@ def test_the_cli_speaks_tls_and_sends_the_key(secure_server: ServerProcess, pki:
     assert refused.returncode == 16 and "UNAUTHENTICATED" in refused.stderr  # 16: the status code
 
 
-def test_a_missing_key_file_is_a_start_up_error_naming_the_flag(tmp_path: Path) -> None:
-    server = start_server("--metrics-port", "0", "--api-key-file", str(tmp_path / "none"), wait=False)
-    assert server.process.wait(120) != 0
-    assert "--api-key-file=" in server.log() and "cannot be read" in server.log()
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("--api-key-file", "none"), "--api-key-file="),
+        (("--tls-cert", "none.pem", "--tls-key", "none.key"), "--tls-key="),
+        (("--tls-cert", "none.pem"), "--tls-cert and --tls-key go together"),
+    ],
+    ids=["api-key-file", "tls-files", "tls-key-missing"],
+)
+def test_a_bad_security_setting_is_refused_before_any_process_starts(
+    tmp_path: Path, flags: tuple[str, ...], said: str
+) -> None:
+    # File names are made absolute under tmp_path, where nothing exists.
+    server = start_server(
+        "--metrics-port", "0", *(f if f.startswith("--") else str(tmp_path / f) for f in flags), wait=False
+    )
+    assert server.process.wait(60) == 2
+    log = server.log()
+    assert said in log
+    assert "starting worker" not in log and "starting scheduler" not in log
