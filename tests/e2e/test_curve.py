@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -32,6 +35,15 @@ def test_only_loopback_and_ipc_addresses_go_without_keys() -> None:
     SchedulerConfig(
         model="m", worker_address="tcp://0.0.0.0:5555", zmq_curve_secret="s", zmq_curve_authorized="a"
     )
+
+
+REFUSED_GRACE_S = 4.0  # a Hello goes out at once after loading; CURVE refuses it in milliseconds
+WORKER_LOADED = re.compile(r"gpu_worker\.worker: loaded .+ in \d+\.\d s")  # once its weights are in
+
+
+def logged(log: IO[bytes]) -> str:
+    """What the processes wrote so far; pread leaves the offset they share where it is."""
+    return os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0).decode(errors="replace")
 
 
 def keys(directory: Path) -> Path:
@@ -79,13 +91,18 @@ def test_a_worker_needs_an_authorized_key(tmp_path: Path) -> None:
     accepted = None
     try:
         with Client(f"127.0.0.1:{grpc_port}") as client:
-            deadline = time.monotonic() + 20  # time enough to load the model and say Hello
-            while time.monotonic() < deadline:
+            # Both refused workers load the model, then try to say Hello; the scheduler must stay
+            # without a worker for a while after the second has loaded.
+            deadline, both_loaded = time.monotonic() + 120, None
+            while both_loaded is None or time.monotonic() < both_loaded + REFUSED_GRACE_S:
                 try:
                     status = client.health(timeout=2)
                 except UnavailableError:  # the scheduler is still starting
                     status = "STARTING"
                 assert status != "SERVING", "a worker without an authorized key got in"
+                if both_loaded is None and len(WORKER_LOADED.findall(logged(log))) >= 2:
+                    both_loaded = time.monotonic()
+                assert time.monotonic() < deadline, "the refused workers never loaded:\n" + logged(log)
                 time.sleep(0.5)
             accepted = subprocess.Popen(
                 [
