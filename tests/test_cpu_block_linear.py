@@ -55,10 +55,10 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
-# Up to 6 rows stream the weight; past that the tiled path takes rows 16 at a time (15/16/17 and
-# 33 end a group short, even and one over) and outputs in panels (301 x 1536: panels of 24, the
-# last one short).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 33])
+# Up to 6 rows stream the weight; past that the tiled path takes rows 16 at a time (7, 15, 16, 23:
+# a group short, even, or seven over) and outputs in panels (301 x 1536: panels of 24, the last one
+# short); 1-6 rows past whole groups stream after them (17, 22, 33).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 22, 23, 33])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (40, 576), (301, 1536)])
 def test_kernel_matches_the_dequantized_product(
     kernel: BlockLinear, type_: int, rows: int, n: int, k: int

@@ -20,7 +20,8 @@
  *   thread takes an equal run of output rows and widens each weight row's blocks once, in
  *   registers, for all rows of x.
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
- *   below widens panels of weight rows into cache and multiplies in register tiles.
+ *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
+ *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -309,17 +310,24 @@ static int tiled_rows(
  * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
  * `type` blocks, k / 32 per output row; bias may be NULL. Up to STREAM_ROWS rows stream the
  * weight once (a decode step's time is its bytes); more take the tiled path (their time is the
- * multiplies). Returns 0, -1 for an unknown type or k not in 32s, -2 when scratch cannot be had.
+ * multiplies), but for a tail of up to STREAM_ROWS rows past whole tiles. Returns 0, -1 for an
+ * unknown type or k not in 32s, -2 when scratch cannot be had.
  */
 int duoserve_block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
     int64_t n, int64_t k, int threads)
 {
     if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
-    if (rows <= STREAM_ROWS) {
-        stream_rows(x, x_stride, w, type, bias, y, rows, n, k, threads);
-        return 0;
+    /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
+     * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
+    const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
+    const int64_t tiled = rows - tail;
+    if (tiled > 0) {
+        float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
+        if (xt == NULL) return -2;
+        const int status = tiled_rows(x, x_stride, w, type, bias, y, tiled, n, k, xt, threads);
+        if (status != 0) return status;
     }
-    float *xt = thread_scratch(&column_floats, &column_capacity, (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
-    return xt == NULL ? -2 : tiled_rows(x, x_stride, w, type, bias, y, rows, n, k, xt, threads);
+    if (tail > 0) stream_rows(x + tiled * x_stride, x_stride, w, type, bias, y + tiled * n, tail, n, k, threads);
+    return 0;
 }
