@@ -31,8 +31,8 @@ PACKING_BATCH_HINT = 64
 
 # Steps of up to this many rows take the block kernel where a linear has GGUF blocks; past it
 # oneDNN's packed kernel on the float32 copy multiplies as fast or faster. On a 2-core AMD EPYC
-# (Zen 3), SmolLM2's linears and head took 149 ms on blocks against oneDNN's 255 at 64 rows, 637
-# against 664 at 256 and 1549 against 1325 at 512 (bench/linear_ab.py).
+# (Zen 3), SmolLM2's linears and head took 162 ms on blocks against oneDNN's 211 at 64 rows, 639
+# against 668 at 256 and 1275 against 1170 at 512 (bench/linear_ab.py at c8d5bf9).
 BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
 
 
