@@ -256,7 +256,7 @@ class CpuPagedAttention(TorchPagedAttention):
         chunks: Sequence[PrefillAttention],
         out: torch.Tensor,
     ) -> None:
-        if self.prefill_kernel is None or q.dtype != torch.bfloat16:
+        if self.prefill_kernel is None or q.dtype != self.prefill_kernel.dtype:
             super()._prefills(q, k, v, k_cache, v_cache, chunks, out)
             return
         # Checked and laid out once per step, not once per layer.

@@ -223,12 +223,11 @@ def make_attention(
         except KernelBuildError as exc:
             log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)
     prefill = None
-    if dtype == torch.bfloat16:
-        try:
-            prefill = load_prefill_attention(model_config.head_dim)
-            log.info("CPU prefill attention multiplies on %s", prefill.engine)
-        except KernelBuildError as exc:
-            log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
+    try:
+        prefill = load_prefill_attention(model_config.head_dim, dtype=dtype)
+        log.info("CPU prefill attention multiplies on %s", prefill.engine)
+    except KernelBuildError as exc:
+        log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
     return CpuPagedAttention(
         *shape, kernel=kernel, fused_ops=fused, decode_stack=stack, prefill_kernel=prefill
     )

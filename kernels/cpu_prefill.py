@@ -1,13 +1,17 @@
-"""Prefill attention in bfloat16 on the CPU (`kernels/cpu/prefill_attention.c`).
+"""Prefill attention on the CPU, one C call per layer for all of a step's chunks.
 
 Each prefill chunk's queries attend causally to the chunk and to all of its sequence's cached
 prefix. torch's CPU flash kernel reaches about 100 GFLOP/s on SmolLM2's shapes (head_dim 64, 3
-query heads per kv head), and a chunk behind a prefix first gathers that prefix and takes the
-masked path; this kernel multiplies bfloat16 pairs into float32, reads the prefix from the paged
-cache through its slots, and takes an exact softmax per row, for any mix of chunks in one call.
-It is built per head_dim (32 or 64) with one of two engines: AMX tiles where the CPU has
-AMX-BF16 and Linux grants the tile state, else AVX-512 BF16 dot products. Where the CPU has
-neither, `load_prefill_attention` raises `KernelBuildError` and the worker keeps torch's kernel.
+query heads per kv head) with AVX-512 and 46-76 on a 2-core AVX2 EPYC, and a chunk behind a
+prefix first gathers that prefix and takes the masked path. These kernels read the prefix from
+the paged cache through its slots and take any mix of chunks in one call:
+- bfloat16 (`kernels/cpu/prefill_attention.c`): multiplies bfloat16 pairs into float32 and takes
+  an exact softmax per row, built per head_dim (32 or 64) with one of two engines, AMX tiles
+  where the CPU has AMX-BF16 and Linux grants the tile state, else AVX-512 BF16 dot products;
+- float32 (`kernels/cpu/prefill_attention_f32.c`): AVX2 and FMA register tiles with an online
+  softmax over blocks of keys, per head_dim 32, 64 or 128.
+Where the CPU cannot run the dtype's kernel, `load_prefill_attention` raises `KernelBuildError`
+and the worker keeps torch's kernel.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from typing import Any
 import torch
 
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, load_engine
+from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 
-HEAD_DIMS = (32, 64)
+HEAD_DIMS = {torch.bfloat16: (32, 64), torch.float32: (32, 64, 128)}
+AVX2_FMA = "avx2_fma"  # the float32 kernel's engine
 
 _lock = threading.Lock()
-_functions: dict[tuple[int, bool], tuple[Callable[..., int], str]] = {}
+_functions: dict[tuple[int, bool, torch.dtype], tuple[Callable[..., int], str]] = {}
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -42,19 +47,19 @@ _ARGTYPES: list[Any] = [
 ]
 
 
-def _rows_of_heads(tensor: torch.Tensor, name: str, heads: int, head_dim: int) -> None:
-    """[T, heads, head_dim] bfloat16 on the CPU, heads packed within a row, rows at any stride."""
+def _rows_of_heads(tensor: torch.Tensor, name: str, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """[T, heads, head_dim] of `dtype` on the CPU, heads packed within a row, rows at any stride."""
     require(
         tensor.dim() == 3
         and tensor.shape[1:] == (heads, head_dim)
-        and tensor.dtype == torch.bfloat16
+        and tensor.dtype == dtype
         and tensor.device.type == "cpu"
         and tensor.stride(2) == 1
         and tensor.stride(1) == head_dim
         and tensor.stride(0) >= heads * head_dim,
         name,
         tensor,
-        f"[T, {heads}, {head_dim}] bfloat16 on the CPU with heads packed in each row",
+        f"[T, {heads}, {head_dim}] {str(dtype).removeprefix('torch.')} on the CPU with heads packed in each row",
     )
 
 
@@ -114,13 +119,15 @@ def plan_chunks(chunks: Sequence[Chunk]) -> PrefillPlan:
 
 
 class CpuPrefillAttention:
-    """The loaded kernel for one head_dim; call it per layer with the step's `plan_chunks`.
-    `engine` says what multiplies: cpu_build.AMX (tiles) or cpu_build.BF16_DOT (dot products)."""
+    """The loaded kernel for one head_dim and dtype; call it per layer with the step's `plan_chunks`.
+    `engine` says what multiplies: cpu_build.AMX (tiles) or cpu_build.BF16_DOT (dot products) in
+    bfloat16, AVX2_FMA in float32."""
 
-    def __init__(self, function: Callable[..., int], head_dim: int, engine: str) -> None:
+    def __init__(self, function: Callable[..., int], head_dim: int, engine: str, dtype: torch.dtype) -> None:
         self._function = function
         self.head_dim = head_dim
         self.engine = engine
+        self.dtype = dtype
 
     def __call__(
         self,
@@ -134,15 +141,15 @@ class CpuPrefillAttention:
         """Each chunk's queries attend causally to the chunk and to its prefix; returns `out`."""
         tokens, heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
         require(head_dim == self.head_dim, "q", q, f"[T, H, {self.head_dim}]")
-        _rows_of_heads(q, "q", heads, head_dim)
+        _rows_of_heads(q, "q", heads, head_dim, self.dtype)
         kv_heads = k.shape[1] if k.dim() == 3 else 0
         require(
             kv_heads > 0 and heads % kv_heads == 0, "k", k, f"[T, Hkv, {head_dim}] with Hkv dividing {heads}"
         )
         for name, tensor in (("k", k), ("v", v)):
-            _rows_of_heads(tensor, name, kv_heads, head_dim)
+            _rows_of_heads(tensor, name, kv_heads, head_dim, self.dtype)
             require(tensor.shape[0] == tokens, name, tensor, f"{tokens} rows, like q")
-        _rows_of_heads(out, "out", heads, head_dim)
+        _rows_of_heads(out, "out", heads, head_dim, self.dtype)
         require(out.shape[0] == tokens, "out", out, f"{tokens} rows, like q")
         if plan.rows > tokens:
             raise ValueError(f"plan: its chunks reach row {plan.rows}, but q has {tokens} rows")
@@ -157,12 +164,13 @@ class CpuPrefillAttention:
                 require(
                     cache.dim() == 4
                     and cache.shape[2:] == (kv_heads, head_dim)
-                    and cache.dtype == torch.bfloat16
+                    and cache.dtype == self.dtype
                     and cache.device.type == "cpu"
                     and cache.is_contiguous(),
                     name,
                     cache,
-                    f"contiguous [blocks, block_size, {kv_heads}, {head_dim}] bfloat16 on the CPU",
+                    f"contiguous [blocks, block_size, {kv_heads}, {head_dim}] "
+                    f"{str(self.dtype).removeprefix('torch.')} on the CPU",
                 )
             require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
             num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -197,29 +205,42 @@ class CpuPrefillAttention:
         return out
 
 
-def load_prefill_attention(head_dim: int, allow_amx: bool = True) -> CpuPrefillAttention:
-    """Build (or find in the cache) and load the kernel for head_dim: on AMX tiles where they run
-    (and `allow_amx`), else on AVX-512 BF16; KernelBuildError where neither can run."""
-    if head_dim not in HEAD_DIMS:
-        raise KernelBuildError(f"the CPU prefill attention takes head_dim {HEAD_DIMS}, not {head_dim}")
+def load_prefill_attention(
+    head_dim: int, allow_amx: bool = True, dtype: torch.dtype = torch.bfloat16
+) -> CpuPrefillAttention:
+    """Build (or find in the cache) and load the kernel for head_dim and dtype. bfloat16: on AMX
+    tiles where they run (and `allow_amx`), else on AVX-512 BF16; float32: on AVX2 and FMA.
+    KernelBuildError where the CPU cannot run it."""
+    if dtype not in HEAD_DIMS:
+        raise KernelBuildError(f"the CPU prefill attention takes bfloat16 or float32, not {dtype}")
+    if head_dim not in HEAD_DIMS[dtype]:
+        raise KernelBuildError(
+            f"the CPU prefill attention takes head_dim {HEAD_DIMS[dtype]} in {dtype}, not {head_dim}"
+        )
+    if dtype == torch.float32 and not (cpu_has("avx2") and cpu_has("fma")):
+        raise KernelBuildError("the float32 prefill attention needs AVX2 and FMA")
     with _lock:
-        key = (head_dim, allow_amx)
+        key = (head_dim, allow_amx, dtype)
         if key not in _functions:
-            library, engine = load_engine(
-                "prefill_attention.c",
-                {"HEAD_DIM": head_dim},
-                "duoserve_prefill_attention_uses_amx",
-                allow_amx,
-            )
+            if dtype == torch.float32:
+                library, engine = load(build("prefill_attention_f32.c", {"HEAD_DIM": head_dim})), AVX2_FMA
+            else:
+                library, engine = load_engine(
+                    "prefill_attention.c",
+                    {"HEAD_DIM": head_dim},
+                    "duoserve_prefill_attention_uses_amx",
+                    allow_amx,
+                )
             loaded = library.duoserve_prefill_attention
             loaded.restype = ctypes.c_int
             loaded.argtypes = _ARGTYPES
             _functions[key] = (loaded, engine)
         function, engine = _functions[key]
-        return CpuPrefillAttention(function, head_dim, engine)
+        return CpuPrefillAttention(function, head_dim, engine, dtype)
 
 
 __all__ = [
+    "AVX2_FMA",
     "HEAD_DIMS",
     "Chunk",
     "CpuPrefillAttention",

@@ -3,7 +3,7 @@ backend sends every prefill chunk to the C prefill kernel in one call."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -81,27 +81,45 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
         torch.testing.assert_close(together[rows].double(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16")
-def test_the_cpu_backend_sends_every_prefill_chunk_to_the_prefill_kernel_in_one_call() -> None:
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [
+        pytest.param(
+            torch.bfloat16,
+            2e-2,
+            marks=pytest.mark.skipif(not cpu_has("avx512_bf16"), reason="this CPU has no AVX-512 BF16"),
+        ),
+        pytest.param(
+            torch.float32,
+            1e-5,
+            marks=pytest.mark.skipif(
+                not (cpu_has("avx2") and cpu_has("fma")), reason="this CPU has no AVX2 and FMA"
+            ),
+        ),
+    ],
+)
+def test_the_cpu_backend_sends_every_prefill_chunk_to_the_prefill_kernel_in_one_call(
+    dtype: torch.dtype, tolerance: float
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
     tokens = batch.num_tokens
-    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    decode = load_cpu_decode_attention(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, BLOCK_SIZE, torch.bfloat16)
-    prefill = load_prefill_attention(HEAD_DIM)
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    decode = load_cpu_decode_attention(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, BLOCK_SIZE, dtype)
+    prefill = load_prefill_attention(HEAD_DIM, dtype=dtype)
     calls = []
 
-    def counted(*args: Any) -> torch.Tensor:
-        calls.append(args[3])
-        return prefill(*args)
+    class Counted(CpuPrefillAttention):
+        def __call__(self, *args: Any) -> torch.Tensor:
+            calls.append(args[3])
+            return prefill(*args)
 
-    with_kernel = CpuPagedAttention(
-        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(CpuPrefillAttention, counted)
-    )
+    counted = Counted(prefill._function, prefill.head_dim, prefill.engine, prefill.dtype)
+    with_kernel = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=counted)
     without = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode)
     cache = (k_cache.clone(), v_cache.clone())
     ours = with_kernel(q, k, v, cache, batch).view(tokens, NUM_HEADS, HEAD_DIM)
@@ -121,7 +139,7 @@ def test_the_cpu_backend_sends_every_prefill_chunk_to_the_prefill_kernel_in_one_
             keys = cache[0].view(-1, NUM_KV_HEADS, HEAD_DIM)[chunk.key_slots]
             values = cache[1].view(-1, NUM_KV_HEADS, HEAD_DIM)[chunk.key_slots]
         expected = reference(q[rows], keys, values)
-        torch.testing.assert_close(ours[rows].double(), expected, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(ours[rows], theirs[rows], atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ours[rows].double(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(ours[rows], theirs[rows], atol=tolerance, rtol=tolerance)
     assert batch.decode is not None
     assert torch.equal(ours[: batch.decode.num_seqs], theirs[: batch.decode.num_seqs])
