@@ -9,12 +9,13 @@ coordinates the order) and are told by the kernel to exit if it dies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from argparse import Namespace
@@ -58,6 +59,31 @@ def flags_to_argv(flags: Sequence[Flag], values: object) -> list[str]:
         else:
             argv += [flag.name, str(value)]
     return argv
+
+
+class StopSignal:
+    """SIGINT and SIGTERM, waited for on a pipe. The handlers only record the signal and write a
+    byte: they take no lock. (A handler that set a threading.Event could run while the main thread,
+    inside that Event's wait, held its lock, and then wait for it forever.)"""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        signal.signal(signal.SIGINT, self._note)
+        signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, *_: object) -> None:
+        self.received = True
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of earlier signals: one is enough
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout: float) -> bool:
+        """Whether a stop signal came, waiting up to `timeout` seconds for one."""
+        if not self.received:
+            select.select([self._read], [], [], timeout)
+        return self.received
 
 
 def _spawn(name: str, argv: list[str]) -> Child:
@@ -139,13 +165,11 @@ def serve(args: Namespace) -> int:
     scheduler_argv = flags_to_argv((*TRACING_FLAGS, *SCHEDULER_FLAGS), config)
     children.append(_spawn("scheduler", ["scheduler", *model, *scheduler_argv]))
 
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = StopSignal()
     announced = False
     exit_code = 0
     restarts = 0
-    while not stop.is_set():
+    while not stop.received:
         dead = [c for c in children if c.process.poll() is not None]
         worker_died = dead and dead[0] is not children[-1]
         if worker_died and config.restart_workers and restarts < config.max_worker_restarts:
