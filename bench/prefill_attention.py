@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
+from cpu_step import median_ms  # bench/, beside this script
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
@@ -52,16 +51,6 @@ STEPS = {
     "512 behind 1536": [prompt(512, 1536, 0)],
     "2048 behind 2048": [prompt(2048, 2048, 0)],
 }
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return 1000 * sorted(times)[len(times) // 2]
 
 
 def layer_attention(dtype: torch.dtype, repeats: int, rounds: int) -> dict[str, dict[str, object]]:
