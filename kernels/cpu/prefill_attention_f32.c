@@ -138,7 +138,13 @@ static void attend(scratch_t *s, const float *q, int64_t q_stride, const float *
         }
         int64_t j = 0;
         for (; j + TILE <= count; j += TILE) score_tile(s, s->keys + j, TILE, s->scores + j);
-        for (; j < count; j++) score_tile(s, s->keys + j, 1, s->scores + j);
+        switch (count - j) { /* the last keys in one narrower tile */
+        case 5: score_tile(s, s->keys + j, 5, s->scores + j); break;
+        case 4: score_tile(s, s->keys + j, 4, s->scores + j); break;
+        case 3: score_tile(s, s->keys + j, 3, s->scores + j); break;
+        case 2: score_tile(s, s->keys + j, 2, s->scores + j); break;
+        case 1: score_tile(s, s->keys + j, 1, s->scores + j); break;
+        }
 
         /* Past the first row's limit, scores of keys a row may not see become -inf. */
         const int masked = j0 + count - 1 > prefix + i0;
