@@ -135,6 +135,11 @@ def test_block_table_check_names_the_bad_values() -> None:
         check_block_tables(tables, torch.tensor([17, 0], dtype=torch.int32), num_blocks=3, block_size=16)
     with pytest.raises(ValueError, match=r"block ids must be in \[0, 2\), got \[0, 2\]"):
         check_block_tables(tables, torch.tensor([17, 3], dtype=torch.int32), num_blocks=2, block_size=16)
+    # Columns past a context are padding, whatever they hold; a used negative id is refused.
+    padded = torch.tensor([[0, -1], [2, 99]], dtype=torch.int32)
+    check_block_tables(padded, torch.tensor([16, 3], dtype=torch.int32), num_blocks=3, block_size=16)
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 3\), got \[-1, 2\]"):
+        check_block_tables(padded, torch.tensor([17, 3], dtype=torch.int32), num_blocks=3, block_size=16)
 
 
 def test_unsupported_shapes_and_missing_compiler_raise_kernel_build_error(
