@@ -11,7 +11,7 @@ import torch
 
 from kernels.cpu_build import AMX, BF16_DOT, KernelBuildError
 from kernels.cpu_prefill import AVX2_FMA, Chunk, CpuPrefillAttention, load_prefill_attention, plan_chunks
-from tests.cpu_features import cpu_has
+from tests.cpu_features import cpu_has, has_avx2_fma
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Kind:
 
 # Probabilities and outputs round to bfloat16 once each in the bfloat16 kernel; sums are float32.
 BF16 = {"tolerance": 2e-2, "mean_error": 2e-3}
+FLOAT32 = Kind(torch.float32, AVX2_FMA, tolerance=1e-5, mean_error=1e-6)
 KINDS = [
     pytest.param(
         Kind(torch.bfloat16, BF16_DOT, **BF16),
@@ -42,11 +43,9 @@ KINDS = [
     ),
     # Only a CPU without AVX2 and FMA cannot run the float32 kernel: elsewhere a build failure fails here.
     pytest.param(
-        Kind(torch.float32, AVX2_FMA, tolerance=1e-5, mean_error=1e-6),
+        FLOAT32,
         id="float32-avx2",
-        marks=pytest.mark.skipif(
-            not (cpu_has("avx2") and cpu_has("fma")), reason="this CPU has no AVX2 and FMA"
-        ),
+        marks=pytest.mark.skipif(not has_avx2_fma(), reason="this CPU has no AVX2 and FMA"),
     ),
 ]
 
@@ -119,10 +118,10 @@ def test_each_prompt_attends_causally_to_itself(
     attends_causally(kind, head_dim, heads, kv_heads, lengths)
 
 
-@pytest.mark.skipif(not (cpu_has("avx2") and cpu_has("fma")), reason="this CPU has no AVX2 and FMA")
+@pytest.mark.skipif(not has_avx2_fma(), reason="this CPU has no AVX2 and FMA")
 @pytest.mark.parametrize("lengths", [[1], [17], [200, 33]])
 def test_the_float32_kernel_takes_head_dim_128(lengths: list[int]) -> None:
-    attends_causally(Kind(torch.float32, AVX2_FMA, tolerance=1e-5, mean_error=1e-6), 128, 8, 2, lengths)
+    attends_causally(FLOAT32, 128, 8, 2, lengths)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])

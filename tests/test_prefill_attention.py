@@ -12,7 +12,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, fresh_r
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from kernels.cpu_decode import load_cpu_decode_attention
 from kernels.cpu_prefill import CpuPrefillAttention, load_prefill_attention
-from tests.cpu_features import cpu_has
+from tests.cpu_features import cpu_has, has_avx2_fma
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8
 
@@ -92,9 +92,7 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
         pytest.param(
             torch.float32,
             1e-5,
-            marks=pytest.mark.skipif(
-                not (cpu_has("avx2") and cpu_has("fma")), reason="this CPU has no AVX2 and FMA"
-            ),
+            marks=pytest.mark.skipif(not has_avx2_fma(), reason="this CPU has no AVX2 and FMA"),
         ),
     ],
 )
