@@ -220,7 +220,7 @@ def load_prefill_attention(
     if dtype == torch.float32 and not (cpu_has("avx2") and cpu_has("fma")):
         raise KernelBuildError("the float32 prefill attention needs AVX2 and FMA")
     with _lock:
-        key = (head_dim, allow_amx, dtype)
+        key = (head_dim, allow_amx and dtype == torch.bfloat16, dtype)  # AMX is a bfloat16 engine
         if key not in _functions:
             if dtype == torch.float32:
                 library, engine = load(build("prefill_attention_f32.c", {"HEAD_DIM": head_dim})), AVX2_FMA
