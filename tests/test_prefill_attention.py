@@ -3,7 +3,7 @@ backend sends every prefill chunk to the C prefill kernel in one call."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -44,6 +44,28 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
 
 
+def random_step(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """A 12-block cache and one step's q, k, v for CHUNKS' tokens, in `dtype`."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sum(len(c.token_ids) for c in CHUNKS)
+    shapes = [(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)] * 2 + [(tokens, NUM_HEADS, HEAD_DIM)]
+    shapes += [(tokens, NUM_KV_HEADS, HEAD_DIM)] * 2
+    return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in shapes)
+
+
+class CountedCalls:
+    """The real prefill kernel, recording the plan of each call."""
+
+    def __init__(self, kernel: CpuPrefillAttention) -> None:
+        self.kernel = kernel
+        self.dtype = kernel.dtype
+        self.plans: list[Any] = []
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self.plans.append(args[3])
+        return self.kernel(*args)
+
+
 def test_runs_group_adjacent_whole_prompts_of_one_length() -> None:
     batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
     runs = fresh_runs(batch.prefills)
@@ -53,14 +75,9 @@ def test_runs_group_adjacent_whole_prompts_of_one_length() -> None:
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: float) -> None:
-    gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k_cache, v_cache, q, k, v = random_step(dtype, seed=0)
     batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
     tokens = batch.num_tokens
-    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     attention = TorchPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
     together = attention(q, k, v, (k_cache.clone(), v_cache.clone()), batch).view(tokens, NUM_HEADS, HEAD_DIM)
     prompts = [c for c in CHUNKS if len(c.token_ids) > 1]  # the batch's prefills, in order
@@ -99,25 +116,15 @@ def test_a_run_gives_each_prompt_its_own_bits(dtype: torch.dtype, tolerance: flo
 def test_the_cpu_backend_sends_every_prefill_chunk_to_the_prefill_kernel_in_one_call(
     dtype: torch.dtype, tolerance: float
 ) -> None:
-    gen = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(12, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k_cache, v_cache, q, k, v = random_step(dtype, seed=1)
     batch = build_forward_batch(CHUNKS, BLOCK_SIZE, "cpu")
     tokens = batch.num_tokens
-    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     decode = load_cpu_decode_attention(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, BLOCK_SIZE, dtype)
-    prefill = load_prefill_attention(HEAD_DIM, dtype=dtype)
-    calls = []
-
-    class Counted(CpuPrefillAttention):
-        def __call__(self, *args: Any) -> torch.Tensor:
-            calls.append(args[3])
-            return prefill(*args)
-
-    counted = Counted(prefill._function, prefill.head_dim, prefill.engine, prefill.dtype)
-    with_kernel = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=counted)
+    counted = CountedCalls(load_prefill_attention(HEAD_DIM, dtype=dtype))
+    calls = counted.plans
+    with_kernel = CpuPagedAttention(
+        NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode, prefill_kernel=cast(CpuPrefillAttention, counted)
+    )
     without = CpuPagedAttention(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, decode)
     cache = (k_cache.clone(), v_cache.clone())
     ours = with_kernel(q, k, v, cache, batch).view(tokens, NUM_HEADS, HEAD_DIM)
