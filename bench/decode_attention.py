@@ -140,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--peak-gbs", type=float, help="the device's memory bandwidth, GB/s")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--layers", type=int, default=30, help="CPU: layers' caches per step in the paths table"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds in the paths table")
     args = parser.parse_args(argv)
     name = args.device
     if name == "auto":
@@ -196,12 +200,61 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{graphed} {gbs:>8.0f} {gbs / peak:>7.1%}",
             flush=True,
         )
+    result: dict[str, object] = {"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}
+    if device.type == "cpu":
+        result["vector_paths"] = cpu_vector_paths(dtype, args.layers, args.rounds)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}, indent=2)
-        )
+        args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def layers_step(
+    kernel: Callable[..., torch.Tensor], cases: list[dict[str, torch.Tensor]]
+) -> Callable[[], None]:
+    """One decode step's attention: the kernel on each layer's case in turn."""
+
+    def step() -> None:
+        for c in cases:
+            kernel(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["lens"])
+
+    return step
+
+
+def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[str, object]]:
+    """Each intrinsics path of the CPU kernel this CPU can run (kernels/cpu_decode.py's vector_bits),
+    side by side, over `layers` layers' caches in turn as a decode step reads them: the KV cache
+    streams from memory rather than sitting in the last-level cache. Best of `rounds` interleaved
+    rounds of 10 steps."""
+    from kernels.cpu_decode import VECTOR_BITS, load_cpu_decode_attention
+
+    kernels = {}
+    for bits in VECTOR_BITS:
+        loaded = load_cpu_decode_attention(64, 3, 16, dtype, bits)
+        if loaded.vector_path == bits:  # what this CPU and shape can take
+            kernels[bits] = loaded
+    names = {512: "AVX-512", 256: "AVX2", 0: "plain C"}
+    print(f"\n# the CPU kernel's paths, {layers} layers' caches, ms per step (all layers), best of {rounds}")
+    print(f"  {'seqs':>5} {'context':>8} " + " ".join(f"{names[b]:>9}" for b in kernels) + f" {'GB/s':>8}")
+    rows = []
+    for num_seqs, context in [(1, 320), (1, 4096), (16, 1024), (64, 320)]:
+        cases = [make_case(num_seqs, context, dtype, torch.device("cpu")) for _ in range(layers)]
+        best = {bits: float("inf") for bits in kernels}
+        for _ in range(rounds):
+            for bits, loaded in kernels.items():
+                best[bits] = min(
+                    best[bits], time_ms(layers_step(loaded, cases), torch.device("cpu"), repeats=10)
+                )
+        kv_bytes = 2 * num_seqs * context * 3 * 64 * dtype.itemsize * layers
+        fastest = min(best.values())
+        rows.append({"seqs": num_seqs, "context": context, "ms": {names[b]: ms for b, ms in best.items()}})
+        print(
+            f"  {num_seqs:>5} {context:>8} "
+            + " ".join(f"{ms:>9.2f}" for ms in best.values())
+            + f" {kv_bytes / fastest / 1e6:>8.1f}",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

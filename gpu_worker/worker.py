@@ -43,6 +43,11 @@ from scheduler import curve, tracing
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.9}
+DECODE_VECTOR_PATHS = {
+    512: "AVX-512 intrinsics",
+    256: "AVX2 + FMA intrinsics",
+    0: "plain C, no intrinsics path",
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -195,6 +200,7 @@ def make_attention(
             raise SystemExit(f"--attention-backend cpu: {exc}") from exc
         log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
         return TorchPagedAttention(*shape)
+    log.info("CPU decode attention: %s", DECODE_VECTOR_PATHS[kernel.vector_path])
     try:
         fused: CpuFusedOps | None = load_cpu_fused_ops(dtype)
     except KernelBuildError as exc:

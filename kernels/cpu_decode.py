@@ -29,8 +29,10 @@ MAX_BLOCK_SIZE = 64
 MAX_GROUP = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
+VECTOR_BITS = (512, 256, 0)  # the kernel's intrinsics paths: AVX-512, AVX2 + FMA, none
+
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, torch.dtype, bool], CpuDecodeAttention] = {}
+_loaded: dict[tuple[int, int, int, torch.dtype, int], CpuDecodeAttention] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +46,13 @@ class _Shape:
 class CpuDecodeAttention:
     """The loaded kernel for one (head_dim, group, block_size, dtype); call it per layer."""
 
-    def __init__(self, function: Callable[..., None], shape: _Shape, library_path: Path) -> None:
+    def __init__(
+        self, function: Callable[..., None], shape: _Shape, library_path: Path, vector_path: int
+    ) -> None:
         self._function = function
         self.shape = shape
         self.library_path = library_path
+        self.vector_path = vector_path  # the intrinsics its build takes: 512 (AVX-512), 256 (AVX2), 0 (none)
 
     def __call__(
         self,
@@ -171,10 +176,11 @@ def paged_decode_attention_reference(
 
 
 def load_cpu_decode_attention(
-    head_dim: int, group: int, block_size: int, dtype: torch.dtype, scalar_only: bool = False
+    head_dim: int, group: int, block_size: int, dtype: torch.dtype, vector_bits: int = 512
 ) -> CpuDecodeAttention:
     """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible.
-    `scalar_only` builds it without its AVX-512 path (for the tests: CPUs without AVX-512 run that)."""
+    `vector_bits` caps its intrinsics path at AVX-512 (512: the widest this CPU has), AVX2 (256) or
+    none (0), so the tests can run each path a CPU may take."""
     supported = (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -188,7 +194,9 @@ def load_cpu_decode_attention(
         )
     if dtype not in DTYPES:
         raise KernelBuildError(f"no CPU decode kernel for {dtype}; supported: {DTYPES}")
-    key = (head_dim, group, block_size, dtype, scalar_only)
+    if vector_bits not in VECTOR_BITS:
+        raise KernelBuildError(f"vector_bits={vector_bits}; supported: {VECTOR_BITS}")
+    key = (head_dim, group, block_size, dtype, vector_bits)
     with _lock:
         if key not in _loaded:
             shape = _Shape(head_dim, group, block_size, dtype)
@@ -199,15 +207,21 @@ def load_cpu_decode_attention(
                     "GROUP": shape.group,
                     "BLOCK": shape.block_size,
                     "ELEM_BF16": int(shape.dtype == torch.bfloat16),
-                    "SCALAR_ONLY": int(scalar_only),
+                    "VECTOR_BITS": vector_bits,
                 },
             )
-            _loaded[key] = CpuDecodeAttention(_bind(path), shape, path)
+            function, vector_path = _bind(path)
+            _loaded[key] = CpuDecodeAttention(function, shape, path, vector_path)
         return _loaded[key]
 
 
-def _bind(path: Path) -> Callable[..., None]:
-    function = load(path).duoserve_paged_decode_attention
+def _bind(path: Path) -> tuple[Callable[..., None], int]:
+    """The library's attention function and the vector path its build took."""
+    library = load(path)
+    function = library.duoserve_paged_decode_attention
     function.restype = None
     function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
-    return function
+    vector_path = library.duoserve_paged_decode_vector_path
+    vector_path.restype = ctypes.c_int
+    vector_path.argtypes = []
+    return function, int(vector_path())

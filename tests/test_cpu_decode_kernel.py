@@ -15,6 +15,7 @@ from kernels.cpu_decode import (
     load_cpu_decode_attention,
     paged_decode_attention_reference,
 )
+from tests.cpu_features import has_avx2_fma
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 SAME_ARITHMETIC = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # float32 rounding; one bfloat16 ulp near 1
@@ -44,21 +45,42 @@ def make_case(
     return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("scalar_only", [False, True], ids=["vector", "scalar"])
+VECTOR_PATHS = [
+    pytest.param(512, id="native"),
+    pytest.param(
+        256, id="avx2", marks=pytest.mark.skipif(not has_avx2_fma(), reason="this CPU has no AVX2 and FMA")
+    ),
+    pytest.param(0, id="plain-c"),
+]
+
+
+@pytest.mark.parametrize("vector_bits", VECTOR_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("block_size", "num_kv_heads", "group", "head_dim"),
-    [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (16, 2, 4, 32)],
+    [
+        (16, 3, 3, 64),
+        (8, 1, 8, 128),
+        (32, 4, 1, 64),
+        (16, 2, 4, 32),
+        (24, 2, 3, 40),
+        (8, 1, 16, 8),
+        (12, 2, 2, 16),
+    ],
 )
 def test_kernel_matches_reference_at_block_edges(
-    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int, scalar_only: bool
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int, vector_bits: int
 ) -> None:
-    """Both builds: with AVX-512 (where the CPU has it, block sizes of 16s, head_dim of 32s) and
-    without, as CPUs without AVX-512 run it."""
+    """Each build a CPU may run: the widest intrinsics path this CPU has (AVX-512 for block sizes
+    of 16s and head_dim of 32s), AVX2 + FMA (block sizes of 8s), and plain C."""
     b = block_size
     lengths = [1, 2, b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 7 * b + 3]
     q, k_cache, v_cache, tables, lens = make_case(lengths, b, num_kv_heads, group, head_dim, dtype)
-    kernel = load_cpu_decode_attention(head_dim, group, block_size, dtype, scalar_only)
+    kernel = load_cpu_decode_attention(head_dim, group, block_size, dtype, vector_bits)
+    if vector_bits == 256:  # the path asked for, where it applies
+        assert kernel.vector_path == (256 if block_size % 8 == 0 else 0)
+    if vector_bits == 0:
+        assert kernel.vector_path == 0
     out = kernel(q, k_cache, v_cache, tables, lens)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
     assert out.dtype == dtype and out.shape == q.shape

@@ -32,6 +32,8 @@
 #error "the block linear needs AVX2, FMA and F16C"
 #endif
 
+#include "avx2.h"
+
 /* ggml's type numbers, as in the GGUF file. */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
 
@@ -74,14 +76,6 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
     for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(w[j], scale, add);
 }
 
-static inline float sum8(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /*
  * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks (both constants once
  * inlined). Chains of additions: four per row for one or two rows, two per row past that, so
@@ -108,7 +102,7 @@ static inline __attribute__((always_inline)) void pass(
     for (int r = 0; r < rows; r++) {
         __m256 total = acc[r][0];
         for (int c = 1; c < chains; c++) total = _mm256_add_ps(total, acc[r][c]);
-        y[r * y_stride + n] = sum8(total) + bias;
+        y[r * y_stride + n] = hsum8(total) + bias;
     }
 }
 

@@ -10,9 +10,9 @@
  * With at least 4 sequences per thread an item is a whole sequence instead, all its kv heads
  * at once, so each block's rows are read front to back (about 10% faster once the cache no
  * longer fits the CPU's caches). Work items are shared out by OpenMP; the library links the
- * same libgomp as torch, so the kernel and torch's own ops use one thread pool. With AVX-512
- * (and block sizes in 16s, head_dim in 32s) scores, the softmax and value sums take an
- * intrinsics path.
+ * same libgomp as torch, so the kernel and torch's own ops use one thread pool. Scores, the
+ * softmax and value sums take an intrinsics path: AVX-512 where the CPU has it (and block sizes
+ * in 16s, head_dim in 32s), else AVX2 + FMA (block sizes in 8s), else plain C.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -22,8 +22,8 @@
 #if !defined(HEAD_DIM) || !defined(GROUP) || !defined(BLOCK) || !defined(ELEM_BF16)
 #error "build with -DHEAD_DIM=.. -DGROUP=.. -DBLOCK=.. -DELEM_BF16=0|1"
 #endif
-#ifndef SCALAR_ONLY
-#define SCALAR_ONLY 0
+#ifndef VECTOR_BITS /* the widest path to take, as the CPU allows: 512, 256 or 0 (plain C); the tests build each */
+#define VECTOR_BITS 512
 #endif
 
 #define ROW (num_kv_heads * HEAD_DIM) /* elements per cache slot */
@@ -31,9 +31,10 @@
 /* A whole-sequence work item holds at most this many kv heads' state (qf and acc: 16 KB each at most). */
 #define MAX_HEADS_PER_ITEM (4096 / (GROUP * HEAD_DIM) < 1 ? 1 : 4096 / (GROUP * HEAD_DIM) > 8 ? 8 : 4096 / (GROUP * HEAD_DIM))
 
-/* The AVX-512 path below, unless built with -DSCALAR_ONLY=1 (the tests build both). */
-#if defined(__AVX512F__) && BLOCK % 16 == 0 && HEAD_DIM % 32 == 0 && !SCALAR_ONLY
-#define VECTOR_PATH 1
+#if defined(__AVX512F__) && BLOCK % 16 == 0 && HEAD_DIM % 32 == 0 && VECTOR_BITS >= 512
+#define VECTOR_PATH 512
+#elif defined(__AVX2__) && defined(__FMA__) && BLOCK % 8 == 0 && HEAD_DIM % 8 == 0 && VECTOR_BITS >= 256
+#define VECTOR_PATH 256
 #else
 #define VECTOR_PATH 0
 #endif
@@ -70,7 +71,7 @@ static inline void fetch_some(fetch_cursor *c)
     }
 }
 
-#if VECTOR_PATH
+#if VECTOR_PATH == 512
 #include "avx512.h"
 /*
  * AVX-512: a query row's dot products with 16 keys leave 16 vectors, which `sum16` adds across in
@@ -93,6 +94,25 @@ static inline __m512 load16(const elem_t *p)
 #endif
 }
 
+#elif VECTOR_PATH == 256
+#include "avx2.h"
+/*
+ * AVX2: a query row's dot products with 8 keys leave 8 vectors, which `sum8x8` adds across in one
+ * tree. Values accumulate into VALUE_VECS registers of each of the GROUP output rows at a time
+ * (AVX2 has 16 registers: at most 12 of them sums), so a block's values are read HEAD_DIM /
+ * (8 * VALUE_VECS) times, from the first-level cache after the first.
+ */
+static inline __m256 load8(const elem_t *p)
+{
+#if ELEM_BF16
+    return load8_bf16(p);
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+
+#define VECS_FIT(n) (GROUP * (n) <= 12 && (HEAD_DIM / 8) % (n) == 0)
+#define VALUE_VECS (VECS_FIT(8) ? 8 : VECS_FIT(4) ? 4 : VECS_FIT(2) ? 2 : 1)
 #endif
 
 /*
@@ -103,7 +123,7 @@ static inline __m512 load16(const elem_t *p)
 static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *keys, int64_t row, int64_t heads,
                          int64_t valid, float scale, float (*scores)[BLOCK], fetch_cursor *fetch)
 {
-#if VECTOR_PATH
+#if VECTOR_PATH == 512
     (void)q, (void)qf; /* the bfloat16 dot products read q, the others qf */
     for (int64_t h = 0; h < heads; h++) {
         for (int t0 = 0; t0 < BLOCK; t0 += 16) {
@@ -132,6 +152,27 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
             }
         }
     }
+#elif VECTOR_PATH == 256
+    (void)q, (void)scale;
+    for (int64_t h = 0; h < heads; h++) {
+        for (int t0 = 0; t0 < BLOCK; t0 += 8) {
+            const __m256 live = lanes_below(valid - t0);
+            for (int g = 0; g < GROUP; g++) {
+                /* The 8 keys' sums side by side: 8 independent multiply-adds per step, as many as
+                 * the two FMA units' latency needs to stay busy. */
+                const float *query = qf[h * GROUP + g];
+                const elem_t *key = keys + t0 * row + h * HEAD_DIM;
+                __m256 dots[8];
+                for (int t = 0; t < 8; t++) dots[t] = _mm256_mul_ps(_mm256_load_ps(query), load8(key + t * row));
+                for (int c = 8; c < HEAD_DIM; c += 8) {
+                    const __m256 qc = _mm256_load_ps(query + c);
+                    for (int t = 0; t < 8; t++) dots[t] = _mm256_fmadd_ps(qc, load8(key + t * row + c), dots[t]);
+                }
+                fetch_some(fetch);
+                _mm256_store_ps(scores[h * GROUP + g] + t0, _mm256_blendv_ps(_mm256_set1_ps(-1e30f), sum8x8(dots), live));
+            }
+        }
+    }
 #else
     (void)q;
     (void)scale;
@@ -154,7 +195,7 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
 static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, int64_t valid,
                               float (*p)[BLOCK], float (*acc)[HEAD_DIM], fetch_cursor *fetch)
 {
-#if VECTOR_PATH
+#if VECTOR_PATH == 512
     for (int64_t h = 0; h < heads; h++) {
         __m512 sums[GROUP][HEAD_DIM / 16];
         for (int g = 0; g < GROUP; g++)
@@ -170,6 +211,25 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
         }
         for (int g = 0; g < GROUP; g++)
             for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_store_ps(acc[h * GROUP + g] + 16 * c, sums[g][c]);
+    }
+#elif VECTOR_PATH == 256
+    for (int64_t h = 0; h < heads; h++) {
+        for (int c0 = 0; c0 < HEAD_DIM; c0 += 8 * VALUE_VECS) {
+            __m256 sums[GROUP][VALUE_VECS];
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < VALUE_VECS; c++) sums[g][c] = _mm256_load_ps(acc[h * GROUP + g] + c0 + 8 * c);
+            for (int64_t t = 0; t < valid; t++) {
+                const elem_t *value = values + t * row + h * HEAD_DIM + c0;
+                for (int c = 0; c < VALUE_VECS; c++) {
+                    const __m256 v = load8(value + 8 * c);
+                    for (int g = 0; g < GROUP; g++)
+                        sums[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&p[h * GROUP + g][t]), v, sums[g][c]);
+                }
+                fetch_some(fetch);
+            }
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < VALUE_VECS; c++) _mm256_store_ps(acc[h * GROUP + g] + c0 + 8 * c, sums[g][c]);
+        }
     }
 #else
     for (int64_t t = 0; t < valid; t++) {
@@ -187,9 +247,12 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
 }
 
 /* How many times block_scores and accumulate_values call fetch_some per block (for full blocks). */
-#if VECTOR_PATH
+#if VECTOR_PATH == 512
 #define SCORE_CALLS(heads) ((heads) * GROUP * (BLOCK / 16))
 #define VALUE_CALLS(heads) ((heads) * BLOCK)
+#elif VECTOR_PATH == 256
+#define SCORE_CALLS(heads) ((heads) * GROUP * (BLOCK / 8))
+#define VALUE_CALLS(heads) ((heads) * BLOCK * (HEAD_DIM / (8 * VALUE_VECS)))
 #else
 #define SCORE_CALLS(heads) BLOCK
 #define VALUE_CALLS(heads) BLOCK
@@ -226,7 +289,7 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
         fetch_cursor next_keys = fetch_start(next < 0 ? 0 : k_cache + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
         fetch_cursor next_values = fetch_start(next < 0 ? 0 : v_cache + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
         block_scores(q, qf, k_cache + block * BLOCK * ROW, ROW, heads, valid, scale, scores, &next_keys);
-#if VECTOR_PATH
+#if VECTOR_PATH == 512
         for (int64_t g = 0; g < rows; g++) {
             __m512 top = _mm512_set1_ps(running_max[g]);
             for (int t = 0; t < BLOCK; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(scores[g] + t));
@@ -243,6 +306,24 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
             running_max[g] = block_max;
             const __m512 factor = _mm512_set1_ps(rescale);
             for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(acc[g] + i, _mm512_mul_ps(_mm512_load_ps(acc[g] + i), factor));
+        }
+#elif VECTOR_PATH == 256
+        for (int64_t g = 0; g < rows; g++) {
+            __m256 top = _mm256_set1_ps(running_max[g]);
+            for (int t = 0; t < BLOCK; t += 8) top = _mm256_max_ps(top, _mm256_load_ps(scores[g] + t));
+            const float block_max = hmax8(top);
+            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            const __m256 shift = _mm256_set1_ps(block_max);
+            __m256 sum = _mm256_setzero_ps();
+            for (int t = 0; t < BLOCK; t += 8) {
+                const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_load_ps(scores[g] + t), shift));
+                _mm256_store_ps(scores[g] + t, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            running_sum[g] = running_sum[g] * rescale + hsum8(sum);
+            running_max[g] = block_max;
+            const __m256 factor = _mm256_set1_ps(rescale);
+            for (int i = 0; i < HEAD_DIM; i += 8) _mm256_store_ps(acc[g] + i, _mm256_mul_ps(_mm256_load_ps(acc[g] + i), factor));
         }
 #else
         for (int64_t g = 0; g < rows; g++) {
@@ -305,3 +386,6 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
                NULL);
     }
 }
+
+/* Which intrinsics path this build takes: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (plain C). */
+int duoserve_paged_decode_vector_path(void) { return VECTOR_PATH; }

@@ -27,6 +27,8 @@
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "the float32 prefill attention needs AVX2 and FMA"
 #endif
+
+#include "avx2.h"
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=32|64|128"
 #endif
@@ -46,26 +48,6 @@ typedef struct {
     const float *keys[KEY_BLOCK];
     const float *values[KEY_BLOCK];
 } scratch_t;
-
-/* exp(x) for x <= 0 by 2^n * p(f), |f| <= 1/2 (elements.h's polynomial), and exactly 0 below -87
- * (where it would be subnormal) and for -inf: masked scores weigh nothing. */
-static inline __m256 exp8_nonpositive(__m256 x)
-{
-    const __m256 floor = _mm256_set1_ps(-87.0f);
-    const __m256 kept = _mm256_cmp_ps(x, floor, _CMP_GE_OQ);
-    const __m256 y = _mm256_mul_ps(_mm256_max_ps(x, floor), _mm256_set1_ps(1.44269504088896341f));
-    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(y, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), kept);
-}
 
 /* scores[j][0..ROWS) = keys[j] . queries[.][0..ROWS) for j < n (n a constant at each call). */
 static inline __attribute__((always_inline)) void score_tile(const scratch_t *s, const float *const *keys, const int n,
