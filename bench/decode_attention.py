@@ -16,6 +16,7 @@ nominal figure for known GPUs, else a large device-to-device copy measured here.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -144,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--layers", type=int, default=30, help="CPU: layers' caches per step in the paths table"
     )
     parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds in the paths table")
+    parser.add_argument(
+        "--model-steps",
+        action="store_true",
+        help="CPU: also SmolLM2's whole float32 decode step on each path",
+    )
     args = parser.parse_args(argv)
     name = args.device
     if name == "auto":
@@ -203,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, object] = {"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}
     if device.type == "cpu":
         result["vector_paths"] = cpu_vector_paths(dtype, args.layers, args.rounds)
+        if args.model_steps:
+            result["model_steps"] = cpu_model_steps(args.rounds)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
@@ -254,6 +262,63 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
             + f" {kv_bytes / fastest / 1e6:>8.1f}",
             flush=True,
         )
+    return rows
+
+
+def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
+    """SmolLM2's whole float32 decode step in process, as the worker builds it (GGUF-block linears,
+    the one-call decode stack), its decode attention on each intrinsics path this CPU can take:
+    1 and 64 sequences at 320 tokens of context, best of `rounds` interleaved rounds of 7 steps."""
+    from gpu_worker.attention import CpuPagedAttention
+    from gpu_worker.batch import ScheduledChunk, build_forward_batch
+    from gpu_worker.kv_cache import allocate_kv_cache
+    from gpu_worker.loader import load_block_weights, load_model
+    from gpu_worker.model import LlamaModel
+    from gpu_worker.worker import make_attention
+    from kernels.cpu_decode import VECTOR_BITS, load_cpu_decode_attention
+    from kernels.cpu_stack import load_cpu_decode_stack
+    from scheduler.model_files import find_default_model
+
+    block, context, cpu = 16, 320, torch.device("cpu")
+    path = find_default_model()
+    config, weights = load_model(path)
+    model = LlamaModel(config, torch.float32, cpu)
+    model.load_weights(weights, load_block_weights(path, config))
+    attention = make_attention("cpu", config, torch.float32, cpu, block)
+    assert isinstance(attention, CpuPagedAttention)
+    model.use_attention(attention)
+    group = config.num_heads // config.num_kv_heads
+    paths = {}
+    for bits in VECTOR_BITS:
+        kernel = load_cpu_decode_attention(config.head_dim, group, block, torch.float32, bits)
+        if kernel.vector_path == bits:
+            paths[bits] = (
+                kernel,
+                load_cpu_decode_stack(config.head_dim, group, block, blocks=True, vector_bits=bits),
+            )
+    names = {512: "AVX-512", 256: "AVX2", 0: "plain C"}
+    print(f"\n# {path.name}, float32, one decode step at {context} tokens of context, ms, best of {rounds}")
+    print(f"  {'seqs':>5} " + " ".join(f"{names[b]:>9}" for b in paths))
+    rows = []
+    for num_seqs in (1, 64):
+        per = context // block
+        kv = allocate_kv_cache(config, num_seqs * per, block, torch.float32, cpu)
+        for k, v in kv:
+            k.normal_()
+            v.normal_()
+        chunks = [
+            ScheduledChunk([7], context - 1, list(range(i * per, (i + 1) * per)), False)
+            for i in range(num_seqs)
+        ]
+        batch = build_forward_batch(chunks, block, "cpu")
+        step = functools.partial(model, batch, kv)
+        best = {bits: float("inf") for bits in paths}
+        for _ in range(rounds):
+            for bits, (kernel, stack) in paths.items():
+                attention.kernel, attention.decode_stack = kernel, stack
+                best[bits] = min(best[bits], time_ms(step, cpu, repeats=7))
+        rows.append({"seqs": num_seqs, "context": context, "ms": {names[b]: ms for b, ms in best.items()}})
+        print(f"  {num_seqs:>5} " + " ".join(f"{ms:>9.2f}" for ms in best.values()), flush=True)
     return rows
 
 

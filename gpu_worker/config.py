@@ -35,6 +35,7 @@ class WorkerConfig:
     cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True
     block_linear: bool = True
+    cpu_vector_bits: int = 512
     seed: int = 0
     zmq_curve_worker_secret: str = ""
     zmq_curve_server_key: str = ""
@@ -74,6 +75,9 @@ class WorkerConfig:
             "1 to 1024",
         )
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
+        _check(
+            self.cpu_vector_bits in (512, 256, 0), "--cpu-vector-bits", self.cpu_vector_bits, "512, 256 or 0"
+        )
         _check(
             bool(self.zmq_curve_worker_secret) == bool(self.zmq_curve_server_key),
             "--zmq-curve-worker-secret",

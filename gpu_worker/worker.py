@@ -170,12 +170,18 @@ def results_socket(context: zmq.Context[zmq.Socket[bytes]], config: WorkerConfig
 
 
 def make_attention(
-    name: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int
+    name: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    vector_bits: int = 512,
 ) -> TorchPagedAttention | TritonPagedAttention:
     """The attention backend for `--attention-backend`.
 
     "auto": Triton kernels on CUDA; on the CPU the C decode kernel when it builds here, else the
     torch path, saying why. "triton" on the CPU needs TRITON_INTERPRET=1 (slow; for tests).
+    `vector_bits` (`--cpu-vector-bits`) caps the CPU decode attention's intrinsics path.
     """
     shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
     if name == "triton" or (name == "auto" and device.type == "cuda"):
@@ -193,7 +199,11 @@ def make_attention(
         return TorchPagedAttention(*shape)
     try:
         kernel = load_cpu_decode_attention(
-            model_config.head_dim, model_config.num_heads // model_config.num_kv_heads, block_size, dtype
+            model_config.head_dim,
+            model_config.num_heads // model_config.num_kv_heads,
+            block_size,
+            dtype,
+            vector_bits,
         )
     except KernelBuildError as exc:
         if name == "cpu":
@@ -215,6 +225,7 @@ def make_attention(
                 model_config.num_heads // model_config.num_kv_heads,
                 block_size,
                 blocks=True,
+                vector_bits=vector_bits,
             )
         except KernelBuildError as exc:
             log.warning("CPU float32 decode stack unavailable, decode steps call each op: %s", exc)
@@ -225,6 +236,7 @@ def make_attention(
                 model_config.num_heads // model_config.num_kv_heads,
                 block_size,
                 allow_amx=pair.engine == AMX,
+                vector_bits=vector_bits,
             )
         except KernelBuildError as exc:
             log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)
@@ -347,7 +359,14 @@ def _run(config: WorkerConfig) -> int:
         kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
         allocated = time.perf_counter()
         model.use_attention(
-            make_attention(config.attention_backend, model_config, dtype, device, configure.block_size)
+            make_attention(
+                config.attention_backend,
+                model_config,
+                dtype,
+                device,
+                configure.block_size,
+                config.cpu_vector_bits,
+            )
         )
         # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
         # asynchronously. Without SBO everything runs on the default stream, one step at a time.

@@ -32,14 +32,14 @@ from kernels import cpu_pair_linear
 from kernels._launch import require
 from kernels.cpu_block_linear import BlockWeight
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
-from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM
+from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
 
 # The float32 build's decode steps: up to this many sequences (its scratch is sized for them);
 # larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
 BLOCK_STACK_MAX_ROWS = 64
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, bool, bool], CpuDecodeStack] = {}
+_loaded: dict[tuple[int, int, int, bool, bool, int], CpuDecodeStack] = {}
 
 
 class _Layer(ctypes.Structure):
@@ -351,11 +351,19 @@ class CpuDecodeStack:
 
 
 def load_cpu_decode_stack(
-    head_dim: int, group: int, block_size: int, allow_amx: bool = True, blocks: bool = False
+    head_dim: int,
+    group: int,
+    block_size: int,
+    allow_amx: bool = True,
+    blocks: bool = False,
+    vector_bits: int = 512,
 ) -> CpuDecodeStack:
     """Build (or find in the cache) and load the stack for this attention shape: in bfloat16, its
     pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16; with
-    `blocks`, in float32 on GGUF blocks (AVX2, FMA and F16C)."""
+    `blocks`, in float32 on GGUF blocks (AVX2, FMA and F16C). `vector_bits` caps its decode
+    attention's intrinsics path, as in kernels/cpu_decode.py (for the benchmarks' A/B)."""
+    if vector_bits not in VECTOR_BITS:
+        raise KernelBuildError(f"vector_bits={vector_bits}; supported: {VECTOR_BITS}")
     if not (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -365,8 +373,8 @@ def load_cpu_decode_stack(
         raise KernelBuildError(
             f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
         )
-    key = (head_dim, group, block_size, allow_amx, blocks)
-    shape = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK": block_size}
+    key = (head_dim, group, block_size, allow_amx, blocks, vector_bits)
+    shape = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK": block_size, "VECTOR_BITS": vector_bits}
     with _lock:
         if key not in _loaded:
             engine: str | None

@@ -178,6 +178,13 @@ WORKER_FLAGS = (
         "float32 on the CPU, GGUF models: decode-sized linears (1-32 rows) multiply the file's own "
         "Q8_0/Q4_0/Q4_1 blocks, widened in registers, instead of streaming the float32 copies",
     ),
+    Flag(
+        "--cpu-vector-bits",
+        int,
+        512,
+        "CPU decode attention: the widest intrinsics path it may take, 512 (AVX-512 where the CPU "
+        "has it), 256 (AVX2 + FMA) or 0 (plain C); lower it only to compare paths or avoid one",
+    ),
 )
 WORKER_ONLY_FLAGS = (
     Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),

@@ -45,11 +45,12 @@ def float32_model(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     stack: bool,
     blocks: bool = True,
+    vector_bits: int = 512,
 ) -> LlamaModel:
     config, weights, block_weights = smollm2
     model = LlamaModel(config, torch.float32, CPU)
     model.load_weights(weights, block_weights if blocks else None)
-    attention = make_attention("cpu", config, torch.float32, CPU, BLOCK_SIZE)
+    attention = make_attention("cpu", config, torch.float32, CPU, BLOCK_SIZE, vector_bits)
     assert isinstance(attention, CpuPagedAttention)
     assert attention.decode_stack is not None and attention.decode_stack.blocks
     if not stack:
@@ -98,6 +99,24 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     assert torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.mark.parametrize("vector_bits", [256, 0])
+def test_on_each_decode_attention_path_the_stack_computes_the_per_op_forward(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    vector_bits: int,
+) -> None:
+    """--cpu-vector-bits reaches both the per-op kernel and the stack's own copy of it."""
+    config = smollm2[0]
+    stacked = float32_model(smollm2, stack=True, vector_bits=vector_bits)
+    per_op = float32_model(smollm2, stack=False, vector_bits=vector_bits)
+    attention = per_op.attention
+    assert isinstance(attention, CpuPagedAttention) and attention.kernel.vector_path == vector_bits
+    batch = decode_batch(5)
+    got = stacked(batch, filled_cache(config))
+    assert torch.equal(got, per_op(batch, filled_cache(config)))
+    other = float32_model(smollm2, stack=True, vector_bits=256 - vector_bits)  # the other path
+    torch.testing.assert_close(got, other(batch, filled_cache(config)), atol=2e-3, rtol=1e-4)
 
 
 def test_yield_points_between_layers_leave_the_result_unchanged(

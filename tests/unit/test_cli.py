@@ -58,6 +58,7 @@ def test_worker_config_checks_its_flags() -> None:
         ("--cuda-graph-max-batch", "0"),
         ("--sbo-switch-interval-ms", "0"),
         ("--sbo-switch-interval-ms", "101"),
+        ("--cpu-vector-bits", "128"),
     ):
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
@@ -65,6 +66,8 @@ def test_worker_config_checks_its_flags() -> None:
     assert (tuned.sbo_depth, tuned.compute_streams, tuned.cuda_graphs) == (4, 2, False)
     assert config.sbo_switch_interval_ms == 0.2
     assert worker_config(parse([*base, "--sbo-switch-interval-ms", "5"])).sbo_switch_interval_ms == 5.0
+    assert config.cpu_vector_bits == 512
+    assert worker_config(parse([*base, "--cpu-vector-bits", "256"])).cpu_vector_bits == 256
 
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
@@ -83,6 +86,8 @@ def test_serve_passes_every_flag_through_to_its_children() -> None:
             "--sbo-depth",
             "3",
             "--no-cuda-graphs",
+            "--cpu-vector-bits",
+            "0",
         ]
     )
     scheduler = scheduler_config(args)
