@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,25 +89,51 @@ def test_kernel_matches_reference_at_block_edges(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_whole_sequence_and_per_head_work_items_agree(dtype: torch.dtype) -> None:
-    """With at least 4 sequences per thread the kernel gives each thread whole sequences (every
-    kv head's rows read front to back); fewer, it shares out (sequence, kv head) items. Each
-    head's arithmetic is the same either way, up to the order the compiler adds a dot product's
-    lanes in (float32 rounding)."""
-    lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48]
+def test_whole_sequence_per_head_and_split_work_items_agree(dtype: torch.dtype) -> None:
+    """On 2 threads: 13 sequences (at least 4 per thread) go to the threads whole (every kv head's
+    rows read front to back); fewer are split into (sequence, part of 128 tokens) items, all kv
+    heads at once where the step has at least 8 parts (1000 tokens alone; 128, 129 and 1000) and
+    one kv head each where it has fewer, their parts folded after. Every way computes the same
+    parts and folds them in the same order, so the results agree up to the order the compiler adds
+    a dot product's lanes in (float32 rounding)."""
+    lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48, 128, 129, 1000]
     q, k_cache, v_cache, tables, lens = make_case(lengths, 16, 3, 3, 64, dtype, seed=5)
     kernel = load_cpu_decode_attention(64, 3, 16, dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        whole = kernel(q, k_cache, v_cache, tables, lens)  # 10 sequences >= 4 per thread
+        whole = kernel(q, k_cache, v_cache, tables, lens)
         for row in range(len(lengths)):
             one = kernel(q[row : row + 1], k_cache, v_cache, tables[row : row + 1], lens[row : row + 1])
             torch.testing.assert_close(one, whole[row : row + 1], atol=SAME_ARITHMETIC[dtype], rtol=0)
+        for rows in (slice(0, 3), slice(8, 11), slice(10, 13)):
+            three = kernel(q[rows], k_cache, v_cache, tables[rows], lens[rows])
+            torch.testing.assert_close(three, whole[rows], atol=SAME_ARITHMETIC[dtype], rtol=0)
     finally:
         torch.set_num_threads(threads)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
     torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_two_lanes_calling_at_once_keep_their_parts_apart() -> None:
+    """Two lanes may decode at once; a split step keeps its parts in a buffer of the calling thread's."""
+    cases = [make_case([700 + 300 * lane], 16, 3, 3, 64, torch.float32, seed=lane) for lane in range(2)]
+    kernel = load_cpu_decode_attention(64, 3, 16, torch.float32)
+    alone = [kernel(*case) for case in cases]
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def lane(index: int) -> None:
+        for _ in range(20):
+            results[index].append(kernel(*cases[index]))
+
+    threads = [threading.Thread(target=lane, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in range(2):
+        assert len(results[index]) == 20
+        assert all(torch.equal(out, alone[index]) for out in results[index])
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])

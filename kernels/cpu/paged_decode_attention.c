@@ -5,17 +5,21 @@
  * shape fixed at compile time (-DHEAD_DIM, -DGROUP, -DBLOCK, -DELEM_BF16) so the compiler
  * can keep each work item's accumulators in vector registers.
  *
- * One work item is (sequence, kv head): its GROUP query heads walk the sequence's blocks
- * once, with an online softmax in float32 (scores, running max and sum, output accumulator).
- * With at least 4 sequences per thread an item is a whole sequence instead, all its kv heads
- * at once, so each block's rows are read front to back (about 10% faster once the cache no
- * longer fits the CPU's caches). Work items are shared out by OpenMP; the library links the
+ * A sequence's context is attended in parts of 128 tokens, each with an online softmax in
+ * float32 (scores, running max and sum, output accumulator), and the parts are folded in order.
+ * With at least 4 sequences per thread a work item is a whole sequence, all its kv heads at once,
+ * so each block's rows are read front to back (about 10% faster once the cache no longer fits
+ * the CPU's caches). With fewer, each (sequence, part) is an item of its own, so that one long
+ * sequence still keeps every thread busy (split-K; 1.1-1.2x on a single sequence of 2048-4096
+ * tokens on 2 cores); a short step's items are (sequence, part, kv head). Every way computes
+ * the same parts and folds them alike. Work items are shared out by OpenMP; the library links the
  * same libgomp as torch, so the kernel and torch's own ops use one thread pool. Scores, the
  * softmax and value sums take an intrinsics path: AVX-512 where the CPU has it (and block sizes
  * in 16s, head_dim in 32s), else AVX2 + FMA (block sizes in 8s), else plain C.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "elements.h"
 
@@ -259,42 +263,59 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
 #endif
 
 /*
- * `heads` kv heads of one sequence, from the kv head that q, k_cache, v_cache and out point at
- * (1 for a (sequence, kv head) item; all of them, `num_kv_heads`, for a whole sequence, whose
- * blocks are then read row by row front to back). Each head's arithmetic is the same either way.
+ * A sequence's context is attended in parts of PART_TOKENS tokens, each with an online softmax of
+ * its own, and the parts' results are folded in order (`merge`). A part is the same arithmetic
+ * whoever computes it, so a sequence's output has the same bits whether its parts run one after
+ * another in one work item or side by side on several threads (the split below, for steps of too
+ * few sequences to fill the threads: one long sequence).
  */
-static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
-                   int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale,
-                   const int32_t *then_table)
+#define PART_TOKENS ((128 + BLOCK - 1) / BLOCK * BLOCK)
+#define MAX_ROWS (MAX_HEADS_PER_ITEM * GROUP) /* query heads of a work item */
+
+/* An online softmax's state for a work item's query heads: output so far (unnormalised), max, sum. */
+typedef struct {
+    float acc[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    float max[MAX_ROWS], sum[MAX_ROWS];
+} state_t;
+
+/* qf = scale * q for the item's `rows` query heads, in float32. */
+static void scale_queries(const elem_t *q, int64_t rows, float scale, float (*qf)[HEAD_DIM])
+{
+    for (int64_t g = 0; g < rows; g++)
+        for (int i = 0; i < HEAD_DIM; i++) qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
+}
+
+/*
+ * The tokens [start, end) of a sequence (start a multiple of BLOCK) for `heads` kv heads, from the
+ * kv head that k_cache and v_cache point at (1 for a per-head item; all of them, `num_kv_heads`,
+ * for a whole sequence, whose blocks are then read row by row front to back; each head's
+ * arithmetic is the same either way), into `s`. `after`: the block to prefetch while the last
+ * one computes (-1: none).
+ */
+static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k_cache, const elem_t *v_cache,
+                        const int32_t *table, int64_t start, int64_t end, int64_t num_kv_heads, int64_t heads,
+                        float scale, int64_t after, state_t *s)
 {
     const int64_t rows = heads * GROUP; /* query heads */
-    float qf[MAX_HEADS_PER_ITEM * GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float acc[MAX_HEADS_PER_ITEM * GROUP][HEAD_DIM] __attribute__((aligned(64)));
-    float scores[MAX_HEADS_PER_ITEM * GROUP][BLOCK] __attribute__((aligned(64)));
-    float running_max[MAX_HEADS_PER_ITEM * GROUP], running_sum[MAX_HEADS_PER_ITEM * GROUP];
+    float scores[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
     for (int64_t g = 0; g < rows; g++) {
-        for (int i = 0; i < HEAD_DIM; i++) {
-            qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
-            acc[g][i] = 0.0f;
-        }
-        running_max[g] = -1e30f;
-        running_sum[g] = 0.0f;
+        for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] = 0.0f;
+        s->max[g] = -1e30f;
+        s->sum[g] = 0.0f;
     }
-    for (int64_t start = 0; start < context_len; start += BLOCK) {
-        const int64_t block = table[start / BLOCK];
-        const int64_t valid = context_len - start < BLOCK ? context_len - start : BLOCK;
-        /* The block after this one: the sequence's next, or after its last the first of the
-         * sequence this thread takes next (`then_table`, or NULL). */
-        const int64_t next = start + BLOCK < context_len ? table[start / BLOCK + 1] : then_table ? then_table[0] : -1;
+    for (int64_t at = start; at < end; at += BLOCK) {
+        const int64_t block = table[at / BLOCK];
+        const int64_t valid = end - at < BLOCK ? end - at : BLOCK;
+        const int64_t next = at + BLOCK < end ? table[at / BLOCK + 1] : after;
         fetch_cursor next_keys = fetch_start(next < 0 ? 0 : k_cache + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
         fetch_cursor next_values = fetch_start(next < 0 ? 0 : v_cache + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
         block_scores(q, qf, k_cache + block * BLOCK * ROW, ROW, heads, valid, scale, scores, &next_keys);
 #if VECTOR_PATH == 512
         for (int64_t g = 0; g < rows; g++) {
-            __m512 top = _mm512_set1_ps(running_max[g]);
+            __m512 top = _mm512_set1_ps(s->max[g]);
             for (int t = 0; t < BLOCK; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(scores[g] + t));
             const float block_max = _mm512_reduce_max_ps(top);
-            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            const float rescale = exp_nonpositive(s->max[g] - block_max);
             const __m512 shift = _mm512_set1_ps(block_max);
             __m512 sum = _mm512_setzero_ps();
             for (int t = 0; t < BLOCK; t += 16) {
@@ -302,17 +323,17 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
                 _mm512_store_ps(scores[g] + t, e);
                 sum = _mm512_add_ps(sum, e);
             }
-            running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(sum);
-            running_max[g] = block_max;
+            s->sum[g] = s->sum[g] * rescale + _mm512_reduce_add_ps(sum);
+            s->max[g] = block_max;
             const __m512 factor = _mm512_set1_ps(rescale);
-            for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(acc[g] + i, _mm512_mul_ps(_mm512_load_ps(acc[g] + i), factor));
+            for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(s->acc[g] + i, _mm512_mul_ps(_mm512_load_ps(s->acc[g] + i), factor));
         }
 #elif VECTOR_PATH == 256
         for (int64_t g = 0; g < rows; g++) {
-            __m256 top = _mm256_set1_ps(running_max[g]);
+            __m256 top = _mm256_set1_ps(s->max[g]);
             for (int t = 0; t < BLOCK; t += 8) top = _mm256_max_ps(top, _mm256_load_ps(scores[g] + t));
             const float block_max = hmax8(top);
-            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            const float rescale = exp_nonpositive(s->max[g] - block_max);
             const __m256 shift = _mm256_set1_ps(block_max);
             __m256 sum = _mm256_setzero_ps();
             for (int t = 0; t < BLOCK; t += 8) {
@@ -320,32 +341,183 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
                 _mm256_store_ps(scores[g] + t, e);
                 sum = _mm256_add_ps(sum, e);
             }
-            running_sum[g] = running_sum[g] * rescale + hsum8(sum);
-            running_max[g] = block_max;
+            s->sum[g] = s->sum[g] * rescale + hsum8(sum);
+            s->max[g] = block_max;
             const __m256 factor = _mm256_set1_ps(rescale);
-            for (int i = 0; i < HEAD_DIM; i += 8) _mm256_store_ps(acc[g] + i, _mm256_mul_ps(_mm256_load_ps(acc[g] + i), factor));
+            for (int i = 0; i < HEAD_DIM; i += 8) _mm256_store_ps(s->acc[g] + i, _mm256_mul_ps(_mm256_load_ps(s->acc[g] + i), factor));
         }
 #else
         for (int64_t g = 0; g < rows; g++) {
-            float block_max = running_max[g];
+            float block_max = s->max[g];
             for (int t = 0; t < BLOCK; t++) block_max = scores[g][t] > block_max ? scores[g][t] : block_max;
-            const float rescale = exp_nonpositive(running_max[g] - block_max);
+            const float rescale = exp_nonpositive(s->max[g] - block_max);
             float block_sum = 0.0f;
             for (int t = 0; t < BLOCK; t++) {
                 scores[g][t] = exp_nonpositive(scores[g][t] - block_max);
                 block_sum += scores[g][t];
             }
-            running_sum[g] = running_sum[g] * rescale + block_sum;
-            running_max[g] = block_max;
-            for (int i = 0; i < HEAD_DIM; i++) acc[g][i] *= rescale;
+            s->sum[g] = s->sum[g] * rescale + block_sum;
+            s->max[g] = block_max;
+            for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] *= rescale;
         }
 #endif
-        accumulate_values(v_cache + block * BLOCK * ROW, ROW, heads, valid, scores, acc, &next_values);
+        accumulate_values(v_cache + block * BLOCK * ROW, ROW, heads, valid, scores, s->acc, &next_values);
     }
+}
+
+/* Fold a later part (p_acc rows HEAD_DIM apart, p_max, p_sum) into the state so far, for `rows` query heads. */
+static void merge(int64_t rows, state_t *s, const float *p_acc, const float *p_max, const float *p_sum)
+{
     for (int64_t g = 0; g < rows; g++) {
-        const float inv = 1.0f / running_sum[g];
-        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(acc[g][i] * inv);
+        const float top = s->max[g] > p_max[g] ? s->max[g] : p_max[g];
+        const float mine = exp_nonpositive(s->max[g] - top), theirs = exp_nonpositive(p_max[g] - top);
+        s->sum[g] = s->sum[g] * mine + p_sum[g] * theirs;
+        s->max[g] = top;
+        for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] = s->acc[g][i] * mine + p_acc[g * HEAD_DIM + i] * theirs;
     }
+}
+
+static void finish(int64_t rows, const state_t *s, elem_t *out)
+{
+    for (int64_t g = 0; g < rows; g++) {
+        const float inv = 1.0f / s->sum[g];
+        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(s->acc[g][i] * inv);
+    }
+}
+
+/*
+ * A work item: `heads` kv heads of one sequence, all its parts in order. `then_table`: the table
+ * of the sequence this thread takes next (its first block is prefetched during the last), or NULL.
+ */
+static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
+                   int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale,
+                   const int32_t *then_table)
+{
+    const int64_t rows = heads * GROUP;
+    float qf[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+    state_t total, part;
+    scale_queries(q, rows, scale, qf);
+    for (int64_t start = 0; start < context_len; start += PART_TOKENS) {
+        const int64_t end = context_len - start < PART_TOKENS ? context_len : start + PART_TOKENS;
+        const int64_t after = end < context_len ? table[end / BLOCK] : then_table ? then_table[0] : -1;
+        attend_part(q, qf, k_cache, v_cache, table, start, end, num_kv_heads, heads, scale, after,
+                    start == 0 ? &total : &part);
+        if (start > 0) merge(rows, &total, &part.acc[0][0], part.max, part.sum);
+    }
+    finish(rows, &total, out);
+}
+
+/* Parts kept for the fold: one buffer per calling thread (two lanes may decode at once), kept
+ * between calls and grown as needed (under 1 KB per part and kv head for most models). */
+static _Thread_local float *kept_parts;
+static _Thread_local int64_t kept_capacity;
+
+static float *kept_for(int64_t floats)
+{
+    if (floats > kept_capacity) {
+        free(kept_parts);
+        kept_capacity = floats > 2 * kept_capacity ? floats : 2 * kept_capacity;
+        kept_parts = malloc((size_t)kept_capacity * sizeof(float));
+        if (!kept_parts) kept_capacity = 0;
+    }
+    return kept_parts;
+}
+
+static inline int64_t parts_of(int64_t context_len) { return (context_len + PART_TOKENS - 1) / PART_TOKENS; }
+
+/* The sequence and part of the index-th part of the step, counting sequence by sequence. */
+static inline void find_part(const int32_t *context_lens, int64_t index, int64_t *seq, int64_t *part)
+{
+    int64_t n = 0;
+    for (int64_t count; index >= (count = parts_of(context_lens[n])); n++) index -= count;
+    *seq = n;
+    *part = index;
+}
+
+/*
+ * Steps of too few sequences to give each thread several whole: every (sequence, part, group of
+ * kv heads) is a work item of its own. A group is all the kv heads (each block's rows read front
+ * to back) when the step has at least SPLIT_BELOW parts per thread, else one kv head, so a short
+ * step still has items to share. A sequence of one part is finished by its items; the others'
+ * parts are kept and then folded in order. False (nothing done) if the buffer cannot be had.
+ */
+#define SPLIT_BELOW 4
+
+static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *block_tables,
+                        const int32_t *context_lens, elem_t *out, int64_t num_seqs, int64_t num_kv_heads,
+                        int64_t max_blocks, float scale, int num_threads)
+{
+    int64_t total_parts = 0;
+    for (int64_t n = 0; n < num_seqs; n++) total_parts += parts_of(context_lens[n]);
+    const int64_t whole = num_kv_heads < MAX_HEADS_PER_ITEM ? num_kv_heads : MAX_HEADS_PER_ITEM;
+    const int64_t group = total_parts >= SPLIT_BELOW * num_threads ? whole : 1;
+    const int64_t groups = (num_kv_heads + group - 1) / group, items = total_parts * groups;
+    const int64_t stride = group * GROUP * (HEAD_DIM + 2); /* floats per kept part: acc rows, max, sum */
+    float *kept = kept_for(items * stride);
+    if (!kept) return 0;
+    const int64_t num_heads = num_kv_heads * GROUP;
+    int64_t taken = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Taken one at a time, as schedule(dynamic, 1) would, but the next before the current
+         * starts, so the current one's last block prefetches the next one's first. */
+        int64_t item = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+        while (item < items) {
+            const int64_t then = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            int64_t seq, part;
+            find_part(context_lens, item / groups, &seq, &part);
+            const int64_t kv0 = item % groups * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
+            const int64_t rows = heads * GROUP, head0 = seq * num_heads + kv0 * GROUP;
+            const int64_t len = context_lens[seq], start = part * PART_TOKENS;
+            const int64_t end = len - start < PART_TOKENS ? len : start + PART_TOKENS;
+            const int32_t *table = block_tables + seq * max_blocks;
+            int64_t after = -1; /* the next item's first block, where it reads the same kv heads */
+            if (then < items && then % groups == item % groups) {
+                int64_t then_seq, then_part;
+                find_part(context_lens, then / groups, &then_seq, &then_part);
+                after = block_tables[then_seq * max_blocks + then_part * PART_TOKENS / BLOCK];
+            }
+            float qf[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
+            state_t state;
+            scale_queries(q + head0 * HEAD_DIM, rows, scale, qf);
+            attend_part(q + head0 * HEAD_DIM, qf, k_cache + kv0 * HEAD_DIM, v_cache + kv0 * HEAD_DIM, table, start,
+                        end, num_kv_heads, heads, scale, after, &state);
+            if (len <= PART_TOKENS) {
+                finish(rows, &state, out + head0 * HEAD_DIM);
+            } else {
+                float *mine = kept + item * stride;
+                for (int64_t g = 0; g < rows; g++) {
+                    for (int i = 0; i < HEAD_DIM; i++) mine[g * HEAD_DIM + i] = state.acc[g][i];
+                    mine[rows * HEAD_DIM + g] = state.max[g];
+                    mine[rows * HEAD_DIM + rows + g] = state.sum[g];
+                }
+            }
+            item = then;
+        }
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t fold = 0; fold < num_seqs * groups; fold++) {
+            const int64_t seq = fold / groups, len = context_lens[seq];
+            if (len <= PART_TOKENS) continue;
+            int64_t first = 0; /* the sequence's first part */
+            for (int64_t n = 0; n < seq; n++) first += parts_of(context_lens[n]);
+            const int64_t kv0 = fold % groups * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
+            const int64_t rows = heads * GROUP;
+            state_t total;
+            const float *head_part = kept + (first * groups + fold % groups) * stride;
+            for (int64_t g = 0; g < rows; g++) {
+                for (int i = 0; i < HEAD_DIM; i++) total.acc[g][i] = head_part[g * HEAD_DIM + i];
+                total.max[g] = head_part[rows * HEAD_DIM + g];
+                total.sum[g] = head_part[rows * HEAD_DIM + rows + g];
+            }
+            for (int64_t p = 1; p < parts_of(len); p++) {
+                const float *later = kept + ((first + p) * groups + fold % groups) * stride;
+                merge(rows, &total, later, later + rows * HEAD_DIM, later + rows * HEAD_DIM + rows);
+            }
+            finish(rows, &total, out + (seq * num_heads + kv0 * GROUP) * HEAD_DIM);
+        }
+    }
+    return 1;
 }
 
 /*
@@ -377,6 +549,10 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
         }
         return;
     }
+    if (attend_parts(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_kv_heads, max_blocks, scale,
+                     num_threads))
+        return;
+    /* No buffer for the parts: (sequence, kv head) items, each doing its parts in turn. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
