@@ -67,9 +67,10 @@ def cache_dir() -> Path:
     return Path(base) / "duoserve" / "kernels"
 
 
-def build(source_name: str, defines: dict[str, int]) -> Path:
-    """The shared library of kernels/cpu/`source_name` with these -D defines, compiled unless cached."""
-    source = SOURCES / source_name
+def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) -> Path:
+    """The shared library of kernels/cpu/`source_name` with these -D defines, compiled unless cached.
+    `sources`: where the kernel sources are (another revision's, for a benchmark's A/B)."""
+    source = sources / source_name
     compiler = _compiler()
     flags = [*_base_flags(), *(f"-D{name}={value}" for name, value in defines.items())]
     try:
@@ -77,7 +78,7 @@ def build(source_name: str, defines: dict[str, int]) -> Path:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
     # What the sources include: the headers, and the sources one library builds from others.
-    headers = [path.read_text() for path in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")])]
+    headers = [path.read_text() for path in sorted([*sources.glob("*.h"), *sources.glob("*.c")])]
     digest = hashlib.sha256(
         "\0".join([source.read_text(), *headers, *flags, version, _cpu_identity()]).encode()
     ).hexdigest()[:20]

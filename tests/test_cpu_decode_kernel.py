@@ -90,13 +90,14 @@ def test_kernel_matches_reference_at_block_edges(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_sequence_per_head_and_split_work_items_agree(dtype: torch.dtype) -> None:
-    """On 2 threads: 13 sequences (at least 4 per thread) go to the threads whole (every kv head's
-    rows read front to back); fewer are split into (sequence, part of 128 tokens) items, all kv
-    heads at once where the step has at least 8 parts (1000 tokens alone; 128, 129 and 1000) and
-    one kv head each where it has fewer, their parts folded after. Every way computes the same
-    parts and folds them in the same order, so the results agree up to the order the compiler adds
-    a dot product's lanes in (float32 rounding)."""
-    lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48, 128, 129, 1000]
+    """On 2 threads: 14 sequences (at least 4 per thread) go to the threads whole (every kv head's
+    rows read front to back). Fewer, with one longer than 512 tokens, are split into parts of 128
+    tokens: all kv heads an item where the step has at least 8 parts (1000 tokens alone; 128, 129
+    and 1000), one kv head an item where it has fewer (600 alone), their parts folded after. Fewer
+    and shorter go as (sequence, kv head) items. Every way computes the same parts and folds them
+    in the same order, so the results agree up to the order the compiler adds a dot product's
+    lanes in (float32 rounding)."""
+    lengths = [1, 15, 16, 17, 33, 64, 100, 7, 250, 48, 128, 129, 1000, 600]
     q, k_cache, v_cache, tables, lens = make_case(lengths, 16, 3, 3, 64, dtype, seed=5)
     kernel = load_cpu_decode_attention(64, 3, 16, dtype)
     threads = torch.get_num_threads()

@@ -9,10 +9,10 @@
  * float32 (scores, running max and sum, output accumulator), and the parts are folded in order.
  * With at least 4 sequences per thread a work item is a whole sequence, all its kv heads at once,
  * so each block's rows are read front to back (about 10% faster once the cache no longer fits
- * the CPU's caches). With fewer, each (sequence, part) is an item of its own, so that one long
- * sequence still keeps every thread busy (split-K; 1.1-1.2x on a single sequence of 2048-4096
- * tokens on 2 cores); a short step's items are (sequence, part, kv head). Every way computes
- * the same parts and folds them alike. Work items are shared out by OpenMP; the library links the
+ * the CPU's caches). With fewer, and one longer than SPLIT_ABOVE tokens, each (sequence, part)
+ * is an item of its own, so that one long sequence still keeps every thread busy (split-K: on 2
+ * cores 1.06-1.21x on one sequence of 4096 tokens, 1.05-1.18x on two of 2048); else each
+ * (sequence, kv head). Every way computes the same parts and folds them alike. Work items are shared out by OpenMP; the library links the
  * same libgomp as torch, so the kernel and torch's own ops use one thread pool. Scores, the
  * softmax and value sums take an intrinsics path: AVX-512 where the CPU has it (and block sizes
  * in 16s, head_dim in 32s), else AVX2 + FMA (block sizes in 8s), else plain C.
@@ -435,13 +435,17 @@ static inline void find_part(const int32_t *context_lens, int64_t index, int64_t
 }
 
 /*
- * Steps of too few sequences to give each thread several whole: every (sequence, part, group of
- * kv heads) is a work item of its own. A group is all the kv heads (each block's rows read front
+ * Steps of too few sequences to give each thread several whole: every (group of kv heads,
+ * sequence, part) is a work item of its own, taken in that order. A group is all the kv heads (each block's rows read front
  * to back) when the step has at least SPLIT_BELOW parts per thread, else one kv head, so a short
  * step still has items to share. A sequence of one part is finished by its items; the others'
  * parts are kept and then folded in order. False (nothing done) if the buffer cannot be had.
  */
 #define SPLIT_BELOW 4
+/* Below this many tokens in its longest sequence a step is not split: on 2 cores a single
+ * 320-token sequence took 0.81-1.0x the time split as not (the second pass costs more than the
+ * balance gains). */
+#define SPLIT_ABOVE (4 * PART_TOKENS)
 
 static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, elem_t *out, int64_t num_seqs, int64_t num_kv_heads,
@@ -465,16 +469,16 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
         while (item < items) {
             const int64_t then = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             int64_t seq, part;
-            find_part(context_lens, item / groups, &seq, &part);
-            const int64_t kv0 = item % groups * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
+            find_part(context_lens, item % total_parts, &seq, &part);
+            const int64_t kv0 = item / total_parts * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
             const int64_t rows = heads * GROUP, head0 = seq * num_heads + kv0 * GROUP;
             const int64_t len = context_lens[seq], start = part * PART_TOKENS;
             const int64_t end = len - start < PART_TOKENS ? len : start + PART_TOKENS;
             const int32_t *table = block_tables + seq * max_blocks;
             int64_t after = -1; /* the next item's first block, where it reads the same kv heads */
-            if (then < items && then % groups == item % groups) {
+            if (then < items && then / total_parts == item / total_parts) {
                 int64_t then_seq, then_part;
-                find_part(context_lens, then / groups, &then_seq, &then_part);
+                find_part(context_lens, then % total_parts, &then_seq, &then_part);
                 after = block_tables[then_seq * max_blocks + then_part * PART_TOKENS / BLOCK];
             }
             float qf[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
@@ -495,7 +499,7 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
             item = then;
         }
 #pragma omp barrier
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t fold = 0; fold < num_seqs * groups; fold++) {
             const int64_t seq = fold / groups, len = context_lens[seq];
             if (len <= PART_TOKENS) continue;
@@ -504,14 +508,14 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
             const int64_t kv0 = fold % groups * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
             const int64_t rows = heads * GROUP;
             state_t total;
-            const float *head_part = kept + (first * groups + fold % groups) * stride;
+            const float *head_part = kept + (fold % groups * total_parts + first) * stride;
             for (int64_t g = 0; g < rows; g++) {
                 for (int i = 0; i < HEAD_DIM; i++) total.acc[g][i] = head_part[g * HEAD_DIM + i];
                 total.max[g] = head_part[rows * HEAD_DIM + g];
                 total.sum[g] = head_part[rows * HEAD_DIM + rows + g];
             }
             for (int64_t p = 1; p < parts_of(len); p++) {
-                const float *later = kept + ((first + p) * groups + fold % groups) * stride;
+                const float *later = kept + (fold % groups * total_parts + first + p) * stride;
                 merge(rows, &total, later, later + rows * HEAD_DIM, later + rows * HEAD_DIM + rows);
             }
             finish(rows, &total, out + (seq * num_heads + kv0 * GROUP) * HEAD_DIM);
@@ -549,10 +553,12 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
         }
         return;
     }
-    if (attend_parts(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_kv_heads, max_blocks, scale,
-                     num_threads))
+    int64_t longest = 0;
+    for (int64_t n = 0; n < num_seqs; n++) longest = context_lens[n] > longest ? context_lens[n] : longest;
+    if (longest > SPLIT_ABOVE && attend_parts(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+                                              num_kv_heads, max_blocks, scale, num_threads))
         return;
-    /* No buffer for the parts: (sequence, kv head) items, each doing its parts in turn. */
+    /* Short contexts (or no buffer for the parts): (sequence, kv head) items, each its parts in turn. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
