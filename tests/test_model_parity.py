@@ -268,11 +268,33 @@ CHAT_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_transformers(smollm2: tuple[Path, ModelConfig, LlamaModel]) -> None:
-    path, config, model = smollm2
+def test_smollm2_gguf_matches_transformers(
+    smollm2: tuple[Path, ModelConfig, LlamaModel], smollm2_on_cpu_in_transformers: tuple[Any, Any]
+) -> None:
+    _, config, model = smollm2
     if block_kernel() is not None:
         assert model.block_linears == 4 * config.num_layers + 1
-    check_smollm2_against_transformers(path, config, model, "cpu")
+    check_smollm2_against_transformers(smollm2_on_cpu_in_transformers, config, model)
+
+
+# About 1100 tokens of chat: its decode steps attend over more than 512 tokens, which the CPU decode
+# kernel splits into parts of 128 tokens on all threads and folds (kernels/cpu/paged_decode_attention.c).
+LONG_TEXT = " ".join(
+    f"Day {day}: the ship sailed {day * 7} miles north, the crew counted {day + 3} gulls and "
+    f"the cook served {['soup', 'bread', 'fish', 'rice'][day % 4]}."
+    for day in range(1, 41)
+)
+
+
+@pytest.mark.slow
+def test_smollm2_long_context_decode_matches_transformers(
+    smollm2: tuple[Path, ModelConfig, LlamaModel], smollm2_on_cpu_in_transformers: tuple[Any, Any]
+) -> None:
+    _, config, model = smollm2
+    texts = [LONG_TEXT + " On which day did the cook first serve rice?", CHAT_PROMPTS[0]]
+    check_smollm2_against_transformers(
+        smollm2_on_cpu_in_transformers, config, model, texts, 16, num_blocks=96
+    )
 
 
 @pytest.mark.gpu
@@ -285,12 +307,11 @@ def test_smollm2_on_cuda_with_triton_kernels_matches_transformers() -> None:
     model = LlamaModel(config, torch.float32, "cuda")
     model.load_weights(weights)
     use_backend(model, config, "triton", block_size=16)
-    check_smollm2_against_transformers(path, config, model, "cuda")
+    check_smollm2_against_transformers(smollm2_reference(path, "cuda"), config, model)
 
 
-def check_smollm2_against_transformers(
-    path: Path, config: ModelConfig, model: LlamaModel, device: str
-) -> None:
+def smollm2_reference(path: Path, device: str) -> tuple[Any, Any]:
+    """transformers' tokenizer and float32 model for the same GGUF file."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf_model = (
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -299,6 +320,23 @@ def check_smollm2_against_transformers(
         .eval()
         .to(device)
     )
+    return tokenizer, hf_model
+
+
+@pytest.fixture(scope="module")
+def smollm2_on_cpu_in_transformers(smollm2: tuple[Path, ModelConfig, LlamaModel]) -> tuple[Any, Any]:
+    return smollm2_reference(smollm2[0], "cpu")
+
+
+def check_smollm2_against_transformers(
+    reference: tuple[Any, Any],
+    config: ModelConfig,
+    model: LlamaModel,
+    texts: list[str] = CHAT_PROMPTS,
+    max_new: int = 32,
+    num_blocks: int = 64,
+) -> None:
+    tokenizer, hf_model = reference
     prompts = [
         list(
             tokenizer.apply_chat_template(
@@ -308,11 +346,10 @@ def check_smollm2_against_transformers(
                 return_dict=True,
             )["input_ids"]
         )
-        for text in CHAT_PROMPTS
+        for text in texts
     ]
-    max_new = 32
     with torch.inference_mode():
         expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
-    harness = PagedHarness(model, config, block_size=16, num_blocks=64)
+    harness = PagedHarness(model, config, block_size=16, num_blocks=num_blocks)
     ours = harness.generate(prompts, max_new, seed=0, token_budget=64)
     assert ours == expected, [tokenizer.decode(t) for t in ours + expected]
