@@ -278,6 +278,17 @@ typedef struct {
     float max[MAX_ROWS], sum[MAX_ROWS];
 } state_t;
 
+/* An empty state: merging a part into it gives the part's own bits (its weight is exp(0) = 1, the
+ * empty one's multiplies zeros). */
+static void empty_state(int64_t rows, state_t *s)
+{
+    for (int64_t g = 0; g < rows; g++) {
+        for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] = 0.0f;
+        s->max[g] = -1e30f;
+        s->sum[g] = 0.0f;
+    }
+}
+
 /* qf = scale * q for the item's `rows` query heads, in float32. */
 static void scale_queries(const elem_t *q, int64_t rows, float scale, float (*qf)[HEAD_DIM])
 {
@@ -298,11 +309,7 @@ static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k_
 {
     const int64_t rows = heads * GROUP; /* query heads */
     float scores[MAX_ROWS][BLOCK] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < rows; g++) {
-        for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] = 0.0f;
-        s->max[g] = -1e30f;
-        s->sum[g] = 0.0f;
-    }
+    empty_state(rows, s);
     for (int64_t at = start; at < end; at += BLOCK) {
         const int64_t block = table[at / BLOCK];
         const int64_t valid = end - at < BLOCK ? end - at : BLOCK;
@@ -397,12 +404,12 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
     float qf[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
     state_t total, part;
     scale_queries(q, rows, scale, qf);
+    empty_state(rows, &total);
     for (int64_t start = 0; start < context_len; start += PART_TOKENS) {
         const int64_t end = context_len - start < PART_TOKENS ? context_len : start + PART_TOKENS;
         const int64_t after = end < context_len ? table[end / BLOCK] : then_table ? then_table[0] : -1;
-        attend_part(q, qf, k_cache, v_cache, table, start, end, num_kv_heads, heads, scale, after,
-                    start == 0 ? &total : &part);
-        if (start > 0) merge(rows, &total, &part.acc[0][0], part.max, part.sum);
+        attend_part(q, qf, k_cache, v_cache, table, start, end, num_kv_heads, heads, scale, after, &part);
+        merge(rows, &total, &part.acc[0][0], part.max, part.sum);
     }
     finish(rows, &total, out);
 }
@@ -508,13 +515,8 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
             const int64_t kv0 = fold % groups * group, heads = num_kv_heads - kv0 < group ? num_kv_heads - kv0 : group;
             const int64_t rows = heads * GROUP;
             state_t total;
-            const float *head_part = kept + (fold % groups * total_parts + first) * stride;
-            for (int64_t g = 0; g < rows; g++) {
-                for (int i = 0; i < HEAD_DIM; i++) total.acc[g][i] = head_part[g * HEAD_DIM + i];
-                total.max[g] = head_part[rows * HEAD_DIM + g];
-                total.sum[g] = head_part[rows * HEAD_DIM + rows + g];
-            }
-            for (int64_t p = 1; p < parts_of(len); p++) {
+            empty_state(rows, &total);
+            for (int64_t p = 0; p < parts_of(len); p++) {
                 const float *later = kept + (fold % groups * total_parts + first + p) * stride;
                 merge(rows, &total, later, later + rows * HEAD_DIM, later + rows * HEAD_DIM + rows);
             }
