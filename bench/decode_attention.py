@@ -234,16 +234,19 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
     side by side, over `layers` layers' caches in turn as a decode step reads them: the KV cache
     streams from memory rather than sitting in the last-level cache. Best of `rounds` interleaved
     rounds of 10 steps."""
-    from kernels.cpu_decode import VECTOR_BITS, load_cpu_decode_attention
+    from kernels.cpu_decode import VECTOR_BITS, VECTOR_PATHS, load_cpu_decode_attention
 
     kernels = {}
     for bits in VECTOR_BITS:
         loaded = load_cpu_decode_attention(64, 3, 16, dtype, bits)
         if loaded.vector_path == bits:  # what this CPU and shape can take
             kernels[bits] = loaded
-    names = {512: "AVX-512", 256: "AVX2", 0: "plain C"}
     print(f"\n# the CPU kernel's paths, {layers} layers' caches, ms per step (all layers), best of {rounds}")
-    print(f"  {'seqs':>5} {'context':>8} " + " ".join(f"{names[b]:>9}" for b in kernels) + f" {'GB/s':>8}")
+    print(
+        f"  {'seqs':>5} {'context':>8} "
+        + " ".join(f"{VECTOR_PATHS[b]:>9}" for b in kernels)
+        + f" {'GB/s':>8}"
+    )
     rows = []
     for num_seqs, context in [(1, 320), (1, 4096), (16, 1024), (64, 320)]:
         cases = [make_case(num_seqs, context, dtype, torch.device("cpu")) for _ in range(layers)]
@@ -255,7 +258,9 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
                 )
         kv_bytes = 2 * num_seqs * context * 3 * 64 * dtype.itemsize * layers
         fastest = min(best.values())
-        rows.append({"seqs": num_seqs, "context": context, "ms": {names[b]: ms for b, ms in best.items()}})
+        rows.append(
+            {"seqs": num_seqs, "context": context, "ms": {VECTOR_PATHS[b]: ms for b, ms in best.items()}}
+        )
         print(
             f"  {num_seqs:>5} {context:>8} "
             + " ".join(f"{ms:>9.2f}" for ms in best.values())
@@ -275,7 +280,7 @@ def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
     from gpu_worker.loader import load_block_weights, load_model
     from gpu_worker.model import LlamaModel
     from gpu_worker.worker import make_attention
-    from kernels.cpu_decode import VECTOR_BITS, load_cpu_decode_attention
+    from kernels.cpu_decode import VECTOR_BITS, VECTOR_PATHS, load_cpu_decode_attention
     from kernels.cpu_stack import load_cpu_decode_stack
     from scheduler.model_files import find_default_model
 
@@ -296,9 +301,8 @@ def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
                 kernel,
                 load_cpu_decode_stack(config.head_dim, group, block, blocks=True, vector_bits=bits),
             )
-    names = {512: "AVX-512", 256: "AVX2", 0: "plain C"}
     print(f"\n# {path.name}, float32, one decode step at {context} tokens of context, ms, best of {rounds}")
-    print(f"  {'seqs':>5} " + " ".join(f"{names[b]:>9}" for b in paths))
+    print(f"  {'seqs':>5} " + " ".join(f"{VECTOR_PATHS[b]:>9}" for b in paths))
     rows = []
     for num_seqs in (1, 64):
         per = context // block
@@ -317,7 +321,9 @@ def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
             for bits, (kernel, stack) in paths.items():
                 attention.kernel, attention.decode_stack = kernel, stack
                 best[bits] = min(best[bits], time_ms(step, cpu, repeats=7))
-        rows.append({"seqs": num_seqs, "context": context, "ms": {names[b]: ms for b, ms in best.items()}})
+        rows.append(
+            {"seqs": num_seqs, "context": context, "ms": {VECTOR_PATHS[b]: ms for b, ms in best.items()}}
+        )
         print(f"  {num_seqs:>5} " + " ".join(f"{ms:>9.2f}" for ms in best.values()), flush=True)
     return rows
 

@@ -32,7 +32,7 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
 from kernels.cpu_build import AMX
-from kernels.cpu_decode import KernelBuildError, load_cpu_decode_attention
+from kernels.cpu_decode import VECTOR_PATHS, KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from kernels.cpu_prefill import load_prefill_attention
 from kernels.cpu_stack import load_cpu_decode_stack
@@ -43,11 +43,6 @@ from scheduler import curve, tracing
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.9}
-DECODE_VECTOR_PATHS = {
-    512: "AVX-512 intrinsics",
-    256: "AVX2 + FMA intrinsics",
-    0: "plain C, no intrinsics path",
-}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -210,7 +205,7 @@ def make_attention(
             raise SystemExit(f"--attention-backend cpu: {exc}") from exc
         log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
         return TorchPagedAttention(*shape)
-    log.info("CPU decode attention: %s", DECODE_VECTOR_PATHS[kernel.vector_path])
+    log.info("CPU decode attention on %s", VECTOR_PATHS[kernel.vector_path])
     try:
         fused: CpuFusedOps | None = load_cpu_fused_ops(dtype)
     except KernelBuildError as exc:

@@ -29,7 +29,8 @@ MAX_BLOCK_SIZE = 64
 MAX_GROUP = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
-VECTOR_BITS = (512, 256, 0)  # the kernel's intrinsics paths: AVX-512, AVX2 + FMA, none
+VECTOR_PATHS = {512: "AVX-512", 256: "AVX2", 0: "plain C"}  # the kernel's intrinsics paths, by vector bits
+VECTOR_BITS = tuple(VECTOR_PATHS)
 
 _lock = threading.Lock()
 _loaded: dict[tuple[int, int, int, torch.dtype, int], CpuDecodeAttention] = {}
