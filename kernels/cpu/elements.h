@@ -1,11 +1,13 @@
 /*
  * What the CPU kernels share: the element type (-DELEM_BF16=0|1: float32 or bfloat16 stored as
- * its upper 16 bits), its conversions to and from float32, and a vectorisable exp.
+ * its upper 16 bits, see bf16.h), its conversions to and from float32, and a vectorisable exp.
  */
 #ifndef DUOSERVE_ELEMENTS_H
 #define DUOSERVE_ELEMENTS_H
 
 #include <stdint.h>
+
+#include "bf16.h"
 
 #ifndef ELEM_BF16
 #error "build with -DELEM_BF16=0|1"
@@ -13,20 +15,8 @@
 
 #if ELEM_BF16
 typedef uint16_t elem_t;
-static inline float load(elem_t x)
-{
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-static inline elem_t store(float x) /* round to nearest even; NaN stays NaN (branch-free, so loops vectorise) */
-{
-    union { uint32_t u; float f; } v;
-    v.f = x;
-    const uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (v.u >> 16) | 0x40u;
-    return (elem_t)((v.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+static inline float load(elem_t x) { return bf16_to_float(x); }
+static inline elem_t store(float x) { return float_to_bf16(x); }
 #else
 typedef float elem_t;
 static inline float load(elem_t x) { return x; }
