@@ -237,8 +237,8 @@ class CpuPagedAttention(TorchPagedAttention):
         decode_stack: CpuDecodeStack | None = None,
         prefill_kernel: CpuPrefillAttention | None = None,
     ) -> None:
-        """`decode_stack` (with `fused_ops`; bfloat16 on pair-layout weights, or float32 on GGUF
-        blocks): decode steps of up to its max_rows sequences run every layer in one C call
+        """`decode_stack` (with `fused_ops`; bfloat16 on pair-layout weights, or float32 or bfloat16
+        on GGUF blocks): decode steps of up to its max_rows sequences run every layer in one C call
         (kernels/cpu_stack.py)."""
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel

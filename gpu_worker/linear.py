@@ -9,6 +9,9 @@ products, 10-45% faster than oneDNN there). In float32 the same oneDNN packing s
 step: on an AVX2-only 2-core AMD EPYC (Zen 3) it multiplied 1.5-4.3x faster than `F.linear`
 (MKL) at SmolLM2's shapes, e.g. 8 rows through the MLP's gate/up 0.49 against 2.1 ms, the
 49152-row LM head for one row 10.6 against 18.0 ms. Elsewhere `F.linear` is used as is.
+
+A GGUF model's linears keep the file's blocks where `blocks_take` says so (float32 on the CPU, and
+bfloat16 on CPUs that cannot multiply bfloat16): see kernels/cpu_block_linear.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_block_linear, cpu_pair_linear
 from kernels.cpu_block_linear import BlockLinear, BlockWeight, load_block_linear
+from kernels.cpu_build import cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,21 @@ PACKING_BATCH_HINT = 64
 # (Zen 3), SmolLM2's linears and head took 162 ms on blocks against oneDNN's 211 at 64 rows, 639
 # against 668 at 256 and 1275 against 1170 at 512 (bench/linear_ab.py at c8d5bf9).
 BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
+
+
+def cpu_multiplies_bfloat16() -> bool:
+    """True when the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
+    return cpu_has("avx512_bf16") or cpu_has("amx_bf16")
+
+
+def blocks_take(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when linears with GGUF blocks multiply on them in `dtype` on `device`: float32 on the
+    CPU, and bfloat16 on a CPU that cannot multiply bfloat16. There torch's bfloat16 matmul is
+    emulated: on an AVX2-only AMD EPYC (Zen 3) it took 4-5x the block kernel's time for SmolLM2's
+    linears at 64-1024 rows, so in bfloat16 the blocks take steps of every size."""
+    if device.type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_multiplies_bfloat16())
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -120,8 +139,9 @@ class Linear:
 
     Not `packed`: `F.linear`. `packed`: oneDNN's packed kernel, except that with `pair` steps of
     up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`). With
-    `blocks` (the weight as the GGUF file stores it, float32 only), steps of up to BLOCK_MAX_ROWS
-    rows take the block kernel where it loads.
+    `blocks` (the weight as the GGUF file stores it; float32, or bfloat16 where `blocks_take`),
+    steps take the block kernel where it loads: in float32 those of up to BLOCK_MAX_ROWS rows, in
+    bfloat16 all of them.
     """
 
     def __init__(
@@ -141,7 +161,8 @@ class Linear:
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
         self.blocks: BlockWeight | None = None
         self._block: BlockLinear | None = None
-        if blocks is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        self._block_max_rows = BLOCK_MAX_ROWS if weight.dtype == torch.float32 else None
+        if blocks is not None and blocks_take(weight.dtype, weight.device):
             if (blocks.n, blocks.k) != tuple(weight.shape):
                 raise ValueError(
                     f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one"
@@ -162,7 +183,8 @@ class Linear:
 
     def takes_block_kernel(self, x: torch.Tensor) -> bool:
         """True when a step of x's rows runs on the GGUF-block kernel."""
-        return self.blocks is not None and x.stride(-1) == 1 and 1 <= x.shape[0] <= BLOCK_MAX_ROWS
+        rows, most = x.shape[0], self._block_max_rows
+        return self.blocks is not None and x.stride(-1) == 1 and rows >= 1 and (most is None or rows <= most)
 
     @property
     def pair_engine(self) -> str | None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import GateUpLinear, Linear, packed_linear_available, pair_kernel
+from gpu_worker.linear import GateUpLinear, Linear, blocks_take, packed_linear_available, pair_kernel
 from gpu_worker.loader import ModelConfig
 from kernels.cpu_block_linear import BlockWeight, concat_rows
 from kernels.cpu_pair_linear import PairLinear
@@ -261,8 +261,8 @@ class LlamaModel(nn.Module):
         self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, BlockWeight] | None = None
     ) -> None:
         """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
-        (from `load_block_weights`, the same file's) lets float32 CPU linears take the block kernel
-        for decode-sized steps."""
+        (from `load_block_weights`, the same file's) lets CPU linears take the block kernel where
+        `blocks_take` (gpu_worker/linear.py) says so."""
 
         def take(name: str) -> torch.Tensor:
             assert name in state_dict, f"weight {name!r} missing from the state dict"
@@ -291,7 +291,7 @@ class LlamaModel(nn.Module):
         # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
         own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
         pair = pair_kernel() if own else None
-        blocks = blocks if blocks and self.dtype == torch.float32 and self.device.type == "cpu" else {}
+        blocks = blocks if blocks and blocks_take(self.dtype, self.device) else {}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."))
@@ -407,7 +407,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:
         """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend of
         at most the stack's max_rows sequences: in bfloat16 with the pair-layout linears, or in
-        float32 with GGUF blocks. None (nothing done) otherwise. The stack is bound to these KV
+        the model's dtype with GGUF blocks. None (nothing done) otherwise. The stack is bound to these KV
         caches on first use."""
         attention = self.attention
         if (

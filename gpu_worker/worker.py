@@ -24,7 +24,7 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, pair_kernel
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, blocks_take, cpu_multiplies_bfloat16, pair_kernel
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
@@ -54,18 +54,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_supports_bfloat16() -> bool:
-    """True when the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        if device.type == "cuda" or cpu_supports_bfloat16():
+        if device.type == "cuda" or cpu_multiplies_bfloat16():
             return torch.bfloat16
         return torch.float32
     if name == "float16" and device.type == "cpu":
@@ -212,8 +203,9 @@ def make_attention(
         log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
         fused = None
     stack = None
-    pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 else None
-    if fused is not None and dtype == torch.float32 and block_kernel() is not None:
+    takes_blocks = blocks_take(dtype, device)
+    pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 and not takes_blocks else None
+    if fused is not None and takes_blocks and block_kernel() is not None:
         try:  # for a model whose linears have GGUF blocks (--block-linear)
             stack = load_cpu_decode_stack(
                 model_config.head_dim,
@@ -221,9 +213,10 @@ def make_attention(
                 block_size,
                 blocks=True,
                 vector_bits=vector_bits,
+                dtype=dtype,
             )
         except KernelBuildError as exc:
-            log.warning("CPU float32 decode stack unavailable, decode steps call each op: %s", exc)
+            log.warning("CPU block decode stack unavailable, decode steps call each op: %s", exc)
     if pair is not None:
         try:  # its pair-layout linear on the model's linears' engine
             stack = load_cpu_decode_stack(
@@ -317,15 +310,15 @@ def _run(config: WorkerConfig) -> int:
     started = time.perf_counter()
     model_config, weights = load_model(config.model)
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
-    takes_blocks = config.block_linear and dtype == torch.float32 and device.type == "cpu"
+    takes_blocks = config.block_linear and blocks_take(dtype, device)
     model.load_weights(weights, load_block_weights(config.model, model_config) if takes_blocks else None)
     del weights
     if takes_blocks:
         log.info(
-            "%d of %d linears keep their GGUF blocks for steps of up to %d rows",
+            "%d of %d linears keep their GGUF blocks for steps of %s rows",
             model.block_linears,
             4 * model_config.num_layers + 1,
-            BLOCK_MAX_ROWS,
+            f"up to {BLOCK_MAX_ROWS}" if dtype == torch.float32 else "any number of",
         )
     log.info(
         "loaded %s (%s, %s) in %.1f s",

@@ -1,5 +1,5 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept in its GGUF blocks (Q8_0, Q4_0, Q4_1),
-on the CPU, for decode steps and prefill chunks of up to MAX_ROWS rows.
+on the CPU, for decode steps and prefill chunks.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -11,6 +11,10 @@ those of the dequantized weight (the additions in another order), so the result 
 x @ dequantize(weight).T to float32 rounding. AVX2, FMA and F16C
 are needed; elsewhere `load_block_linear` raises `KernelBuildError` and the worker keeps its
 float32 copies for every step.
+
+bfloat16 x (and bias) give a bfloat16 y: the float32 result on the widened x, rounded once. That
+is how bfloat16 models run on CPUs that cannot multiply bfloat16 (no AVX-512 BF16, no AMX), where
+torch's bfloat16 matmul is 4-5x slower than this kernel on SmolLM2's shapes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import torch
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 
-MAX_ROWS = 256  # the worker takes oneDNN past this (gpu_worker/linear.py)
+MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
+DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
 # ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
@@ -99,9 +104,9 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
 
 
 _lock = threading.Lock()
-_loaded: list[Callable[..., int]] = []
+_loaded: dict[torch.dtype, Callable[..., int]] = {}
 
-# duoserve_block_linear(x, x_stride, w, type, bias, y, rows, n, k, threads) -> 0 | -1
+# duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,
     ctypes.c_int64,
@@ -117,35 +122,36 @@ _ARGTYPES: list[Any] = [
 
 
 class BlockLinear:
-    """The loaded kernel; call it with float32 x and a `BlockWeight`."""
+    """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight`."""
 
-    def __init__(self, function: Callable[..., int]) -> None:
-        self._function = function
+    def __init__(self, functions: dict[torch.dtype, Callable[..., int]]) -> None:
+        self._functions = functions
 
     def __call__(
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         require(
             x.dim() == 2
-            and x.dtype == torch.float32
+            and x.dtype in DTYPES
             and x.device.type == "cpu"
             and x.stride(1) == 1
             and x.shape[1] == weight.k,
             "x",
             x,
-            f"a float32 [rows, {weight.k}] CPU tensor with contiguous rows",
+            f"a float32 or bfloat16 [rows, {weight.k}] CPU tensor with contiguous rows",
         )
+        dtype_name = str(x.dtype).removeprefix("torch.")
         if bias is not None:
             require(
-                bias.shape == (weight.n,) and bias.dtype == torch.float32 and bias.is_contiguous(),
+                bias.shape == (weight.n,) and bias.dtype == x.dtype and bias.is_contiguous(),
                 "bias",
                 bias,
-                f"a contiguous float32 [{weight.n}] tensor",
+                f"a contiguous {dtype_name} [{weight.n}] tensor, as x is {dtype_name}",
             )
         rows = x.shape[0]
-        out = torch.empty(rows, weight.n, dtype=torch.float32)
+        out = torch.empty(rows, weight.n, dtype=x.dtype)
         if rows:
-            status = self._function(
+            status = self._functions[x.dtype](
                 x.data_ptr(),
                 x.stride(0),
                 weight.blocks.data_ptr(),
@@ -173,15 +179,20 @@ def load_block_linear() -> BlockLinear:
         )
     with _lock:
         if not _loaded:
-            function = load(build("block_linear.c", {})).duoserve_block_linear
-            function.restype = ctypes.c_int
-            function.argtypes = _ARGTYPES
-            _loaded.append(function)
-        return BlockLinear(_loaded[0])
+            library = load(build("block_linear.c", {}))
+            for dtype, function in (
+                (torch.float32, library.duoserve_block_linear),
+                (torch.bfloat16, library.duoserve_block_linear_bf16),
+            ):
+                function.restype = ctypes.c_int
+                function.argtypes = _ARGTYPES
+                _loaded[dtype] = function
+        return BlockLinear(dict(_loaded))
 
 
 __all__ = [
     "BLOCK_BYTES",
+    "DTYPES",
     "MAX_ROWS",
     "Q4_0",
     "Q4_1",

@@ -1,5 +1,5 @@
 """A decode step through every decoder layer in one C call (CPU: bfloat16 on pair-layout weights,
-or float32 on GGUF blocks).
+or float32 or bfloat16 on GGUF blocks).
 
 A decode step of a few sequences reads each weight once per token. When this stack was written,
 streaming SmolLM2-135M's weights took about 13 ms a token on the machine of the time, yet the
@@ -10,9 +10,11 @@ path's, bit for bit, and the step pays one call (more only when the worker has u
 run between layers). Two builds:
 - bfloat16, for batches of up to cpu_pair_linear.MAX_ROWS rows, its linear the pair-layout one
   built for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products);
-- float32 (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block kernel
-  on the GGUF file's Q8_0/Q4_0/Q4_1 blocks (AVX2). On a 2-core AMD EPYC (Zen 3) a one-sequence
-  SmolLM2 decode step took ~31 ms op by op, ~18 of them in the linears.
+- on GGUF blocks (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block
+  kernel on the file's Q8_0/Q4_0/Q4_1 blocks (AVX2): in float32, or in bfloat16 for CPUs that
+  cannot multiply bfloat16 (the linear widens its input and rounds its output). On a 2-core AMD
+  EPYC (Zen 3) a one-sequence float32 SmolLM2 decode step took ~31 ms op by op, ~18 of them in
+  the linears.
 
 Bind a model's layers once (`bind`: weight and cache pointers, checked then), then `run` per
 step. Needs what its linear needs; elsewhere `load_cpu_decode_stack` raises `KernelBuildError`
@@ -34,12 +36,12 @@ from kernels.cpu_block_linear import BlockWeight
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
 
-# The float32 build's decode steps: up to this many sequences (its scratch is sized for them);
+# The block builds' decode steps: up to this many sequences (its scratch is sized for them);
 # larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
 BLOCK_STACK_MAX_ROWS = 64
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, bool, bool, int], CpuDecodeStack] = {}
+_loaded: dict[tuple[int, int, int, bool, bool, int, torch.dtype], CpuDecodeStack] = {}
 
 
 class _Layer(ctypes.Structure):
@@ -81,7 +83,7 @@ class _Step(ctypes.Structure):
 @dataclass(frozen=True, slots=True)
 class StackLayer:
     """One decoder layer's tensors, as the per-op forward uses them: the plain weights give the
-    shapes, `pair_weights` (bfloat16 stack) or `block_weights` (float32 stack) are what the stack
+    shapes, `pair_weights` (pair-layout stack) or `block_weights` (block stack) are what the stack
     multiplies by."""
 
     qkv_weight: torch.Tensor  # [q_size + 2 kv_size, hidden]
@@ -331,14 +333,15 @@ class CpuDecodeStack:
         block_size: int,
         pair_engine: str | None,
         blocks: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.function = function
         # What the pair-layout linear multiplies on in this build (None for the block build): bind
         # weights packed for cpu_pair_linear's kernel of the same engine, so the stack's bits are
         # the per-op path's.
         self.pair_engine = pair_engine
-        self.blocks = blocks  # float32 on GGUF blocks, not bfloat16 on pairs
-        self.dtype = torch.float32 if blocks else torch.bfloat16
+        self.blocks = blocks  # on GGUF blocks, not on pairs (which are bfloat16)
+        self.dtype = dtype
         self.max_rows = BLOCK_STACK_MAX_ROWS if blocks else cpu_pair_linear.MAX_ROWS
         self.head_dim = head_dim
         self.group = group
@@ -357,11 +360,18 @@ def load_cpu_decode_stack(
     allow_amx: bool = True,
     blocks: bool = False,
     vector_bits: int = 512,
+    dtype: torch.dtype | None = None,
 ) -> CpuDecodeStack:
     """Build (or find in the cache) and load the stack for this attention shape: in bfloat16, its
     pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16; with
-    `blocks`, in float32 on GGUF blocks (AVX2, FMA and F16C). `vector_bits` caps its decode
-    attention's intrinsics path, as in kernels/cpu_decode.py (for the benchmarks' A/B)."""
+    `blocks`, on GGUF blocks (AVX2, FMA and F16C) in `dtype`: float32 (the default) or bfloat16.
+    `vector_bits` caps its decode attention's intrinsics path, as in kernels/cpu_decode.py (for
+    the benchmarks' A/B)."""
+    dtype = dtype or (torch.float32 if blocks else torch.bfloat16)
+    if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.float32 and not blocks):
+        raise KernelBuildError(
+            f"no CPU decode stack in {dtype} {'on GGUF blocks' if blocks else 'on pair-layout weights'}"
+        )
     if vector_bits not in VECTOR_BITS:
         raise KernelBuildError(f"vector_bits={vector_bits}; supported: {VECTOR_BITS}")
     if not (
@@ -373,7 +383,7 @@ def load_cpu_decode_stack(
         raise KernelBuildError(
             f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
         )
-    key = (head_dim, group, block_size, allow_amx, blocks, vector_bits)
+    key = (head_dim, group, block_size, allow_amx, blocks, vector_bits, dtype)
     shape = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK": block_size, "VECTOR_BITS": vector_bits}
     with _lock:
         if key not in _loaded:
@@ -382,7 +392,8 @@ def load_cpu_decode_stack(
                 missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
                 if missing:
                     raise KernelBuildError(f"the block-linear decode stack needs {', '.join(missing)}")
-                library = load(build("decode_stack.c", {**shape, "ELEM_BF16": 0, "BLOCK_LINEAR": 1}))
+                bf16 = int(dtype == torch.bfloat16)
+                library = load(build("decode_stack.c", {**shape, "ELEM_BF16": bf16, "BLOCK_LINEAR": 1}))
                 engine = None
             else:
                 library, engine = load_engine(
@@ -399,7 +410,7 @@ def load_cpu_decode_stack(
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine, blocks)
+            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine, blocks, dtype)
         return _loaded[key]
 
 

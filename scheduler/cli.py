@@ -175,8 +175,9 @@ WORKER_FLAGS = (
         "--block-linear",
         bool,
         True,
-        "float32 on the CPU, GGUF models: decode-sized linears (1-32 rows) multiply the file's own "
-        "Q8_0/Q4_0/Q4_1 blocks, widened in registers, instead of streaming the float32 copies",
+        "GGUF models on the CPU: linears multiply the file's own Q8_0/Q4_0/Q4_1 blocks, widened in "
+        "registers: in float32 steps of 1-256 rows (else the float32 copies), and in bfloat16 on "
+        "CPUs without AVX-512 BF16 or AMX every step (weights rounded to bfloat16)",
     ),
     Flag(
         "--cpu-vector-bits",

@@ -1,4 +1,5 @@
-"""The GGUF-block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks."""
+"""The GGUF-block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks,
+and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.linear import BLOCK_MAX_ROWS, Linear, block_kernel, packed_linear_available
+from gpu_worker.linear import (
+    BLOCK_MAX_ROWS,
+    Linear,
+    block_kernel,
+    blocks_take,
+    cpu_multiplies_bfloat16,
+    packed_linear_available,
+)
 from gpu_worker.loader import load_block_weights, load_model
 from kernels.cpu_block_linear import (
     BLOCK_BYTES,
@@ -73,6 +81,40 @@ def test_kernel_matches_the_dequantized_product(
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("type_", sorted(TYPES))
+@pytest.mark.parametrize("rows", [1, 6, 7, 17, 300])  # streamed, tiled, tiled + streamed tail
+def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int, rows: int) -> None:
+    weight = block_weight(type_, 301, 576, seed=rows + type_)
+    as_bf16 = weight.dequantize().bfloat16()  # the model's bfloat16 copy of the weight
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 600, generator=gen).bfloat16()
+    x = wide[:, 7:583]  # rows 600 elements apart
+    bias = torch.randn(301, generator=gen).bfloat16()
+    got = kernel(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 301)
+    want = x.double() @ as_bf16.double().T + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)  # y rounded once
+    # Its float32 products and sums, rounded once, are those of a float32 matmul on the same
+    # values but for the order of the additions.
+    same = got == torch.nn.functional.linear(x.float(), as_bf16.float(), bias.float()).bfloat16()
+    assert same.float().mean() > 0.99
+    assert torch.equal(kernel(x, weight)[:, :5], kernel(x, weight, torch.zeros_like(bias))[:, :5])
+
+
+@pytest.mark.parametrize("type_", sorted(TYPES))
+def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
+    weight = block_weight(type_, 301, 576, seed=type_)
+    dense = weight.dequantize()
+    picked = torch.arange(0, 576, 9)
+    x = torch.zeros(len(picked), 576, dtype=torch.bfloat16)
+    x[torch.arange(len(picked)), picked] = 3.0  # y[r, o] = 3 * w[o, picked[r]], one product each
+    got = kernel(x, weight)
+    want = (3 * dense.bfloat16().float()[:, picked].T).bfloat16()
+    assert torch.equal(got, want)
+    # From the unrounded weight a quarter of them would differ: the rounding is what this checks.
+    assert (want != (3 * dense[:, picked].T).bfloat16()).float().mean() > 0.1
+
+
 @pytest.mark.parametrize("rows", [5, 40])  # both paths
 def test_rows_of_x_may_be_strided(kernel: BlockLinear, rows: int) -> None:
     weight = block_weight(Q4_1, 16, 64, seed=1)
@@ -101,7 +143,9 @@ def test_any_number_of_threads_covers_every_output(kernel: BlockLinear, threads:
 def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     weight = block_weight(Q8_0, 4, 64, seed=2)
     with pytest.raises(ValueError, match="x"):
-        kernel(torch.randn(2, 64).bfloat16(), weight)
+        kernel(torch.randn(2, 64).half(), weight)
+    with pytest.raises(ValueError, match=r"bias.*as x is bfloat16"):
+        kernel(torch.randn(2, 64).bfloat16(), weight, torch.randn(4))
     with pytest.raises(ValueError, match="x"):
         kernel(torch.randn(2, 32), weight)
     with pytest.raises(ValueError, match="x"):
@@ -138,8 +182,21 @@ def test_linear_takes_blocks_for_decode_sized_steps_only(kernel: BlockLinear) ->
         torch.testing.assert_close(lin(x).double(), x.double() @ dense.double().T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="blocks"):
         Linear(dense[:, :96].contiguous(), None, packed=False, blocks=weight)
-    # bfloat16 linears keep their own kernels: blocks are for float32 steps.
-    assert Linear(dense.bfloat16(), None, packed=False, blocks=weight).blocks is None
+
+
+def test_bfloat16_linears_take_blocks_where_the_cpu_cannot_multiply_bfloat16(kernel: BlockLinear) -> None:
+    weight = block_weight(Q4_1, 48, 128, seed=8)
+    lin = Linear(weight.dequantize().bfloat16(), None, packed=False, blocks=weight)
+    cpu = torch.device("cpu")
+    assert blocks_take(torch.float32, cpu) and not blocks_take(torch.float16, cpu)
+    if cpu_multiplies_bfloat16():  # its own kernels multiply bfloat16 faster than the blocks
+        assert not blocks_take(torch.bfloat16, cpu) and lin.blocks is None
+        return
+    assert blocks_take(torch.bfloat16, cpu) and lin.blocks is weight
+    for rows in (1, BLOCK_MAX_ROWS + 1, 1000):  # every size: torch's bfloat16 matmul is emulated here
+        x = torch.randn(rows, 128).bfloat16()
+        assert lin.takes_block_kernel(x)
+        assert lin(x).dtype == torch.bfloat16 and torch.equal(lin(x), kernel(x, weight))
 
 
 @pytest.fixture(scope="module")

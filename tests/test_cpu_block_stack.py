@@ -1,5 +1,6 @@
-"""The float32 decode stack on GGUF blocks (kernels/cpu_stack.py, blocks=True) against the per-op
-forward it replaces, on SmolLM2-135M's own Q4_1/Q8_0 file: the same bits, the same KV cache."""
+"""The decode stack on GGUF blocks (kernels/cpu_stack.py, blocks=True) against the per-op forward
+it replaces, on SmolLM2-135M's own Q4_1/Q8_0 file: the same bits, the same KV cache. In float32,
+and in bfloat16 where the CPU cannot multiply bfloat16 (there bfloat16 models take the blocks)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import block_kernel
+from gpu_worker.linear import block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
@@ -32,6 +33,16 @@ pytestmark = pytest.mark.skipif(
     not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")),
     reason="the block kernel needs AVX2, FMA, F16C",
 )
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            cpu_multiplies_bfloat16(),
+            reason="this CPU multiplies bfloat16: bfloat16 linears take the pair-layout kernel, not blocks",
+        ),
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,26 +52,28 @@ def smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeig
     return config, weights, load_block_weights(path, config)
 
 
-def float32_model(
+def block_model(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     stack: bool,
     blocks: bool = True,
     vector_bits: int = 512,
+    dtype: torch.dtype = torch.float32,
 ) -> LlamaModel:
     config, weights, block_weights = smollm2
-    model = LlamaModel(config, torch.float32, CPU)
+    model = LlamaModel(config, dtype, CPU)
     model.load_weights(weights, block_weights if blocks else None)
-    attention = make_attention("cpu", config, torch.float32, CPU, BLOCK_SIZE, vector_bits)
+    attention = make_attention("cpu", config, dtype, CPU, BLOCK_SIZE, vector_bits)
     assert isinstance(attention, CpuPagedAttention)
     assert attention.decode_stack is not None and attention.decode_stack.blocks
+    assert attention.decode_stack.dtype == dtype
     if not stack:
         attention.decode_stack = None
     model.use_attention(attention)
     return model
 
 
-def filled_cache(config: ModelConfig) -> KVCache:
-    cache = allocate_kv_cache(config, SEQS * BLOCKS_PER_SEQ, BLOCK_SIZE, torch.float32, CPU)
+def filled_cache(config: ModelConfig, dtype: torch.dtype = torch.float32) -> KVCache:
+    cache = allocate_kv_cache(config, SEQS * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, CPU)
     gen = torch.Generator().manual_seed(0)
     for k, v in cache:
         k.copy_(torch.randn(k.shape, generator=gen))
@@ -81,22 +94,26 @@ def test_the_worker_loads_it_here() -> None:
     assert block_kernel() is not None  # CPUs with AVX2, FMA and F16C: this module's skip says so
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 7, BLOCK_STACK_MAX_ROWS, BLOCK_STACK_MAX_ROWS + 1])
 def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     rows: int,
+    dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     config = smollm2[0]
     counting = CountingRuns(monkeypatch)
-    stacked, per_op = float32_model(smollm2, stack=True), float32_model(smollm2, stack=False)
-    stacked_cache, per_op_cache = filled_cache(config), filled_cache(config)
+    stacked = block_model(smollm2, stack=True, dtype=dtype)
+    per_op = block_model(smollm2, stack=False, dtype=dtype)
+    stacked_cache, per_op_cache = filled_cache(config, dtype), filled_cache(config, dtype)
     batch = decode_batch(rows)
     got = stacked(batch, stacked_cache)
     want = per_op(batch, per_op_cache)
-    # Past the stack's rows the per-op path runs (and the weights' float32 copies, through oneDNN).
+    # Past the stack's rows the per-op path runs (in float32 the weights' float32 copies, through
+    # oneDNN; in bfloat16 still the blocks).
     assert counting.runs == (1 if rows <= BLOCK_STACK_MAX_ROWS else 0)
-    assert torch.equal(got, want)
+    assert got.dtype == dtype and torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
@@ -108,14 +125,14 @@ def test_on_each_decode_attention_path_the_stack_computes_the_per_op_forward(
 ) -> None:
     """--cpu-vector-bits reaches both the per-op kernel and the stack's own copy of it."""
     config = smollm2[0]
-    stacked = float32_model(smollm2, stack=True, vector_bits=vector_bits)
-    per_op = float32_model(smollm2, stack=False, vector_bits=vector_bits)
+    stacked = block_model(smollm2, stack=True, vector_bits=vector_bits)
+    per_op = block_model(smollm2, stack=False, vector_bits=vector_bits)
     attention = per_op.attention
     assert isinstance(attention, CpuPagedAttention) and attention.kernel.vector_path == vector_bits
     batch = decode_batch(5)
     got = stacked(batch, filled_cache(config))
     assert torch.equal(got, per_op(batch, filled_cache(config)))
-    other = float32_model(smollm2, stack=True, vector_bits=256 - vector_bits)  # the other path
+    other = block_model(smollm2, stack=True, vector_bits=256 - vector_bits)  # the other path
     torch.testing.assert_close(got, other(batch, filled_cache(config)), atol=2e-3, rtol=1e-4)
 
 
@@ -123,7 +140,7 @@ def test_yield_points_between_layers_leave_the_result_unchanged(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
 ) -> None:
     config = smollm2[0]
-    stacked = float32_model(smollm2, stack=True)
+    stacked = block_model(smollm2, stack=True)
     batch = decode_batch(2)
     boundaries = []
     with_yields = stacked(batch, filled_cache(config), lambda: boundaries.append(1))
@@ -136,7 +153,7 @@ def test_a_model_without_blocks_decodes_op_by_op(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     counting = CountingRuns(monkeypatch)
-    dense = float32_model(smollm2, stack=True, blocks=False)  # --no-block-linear
+    dense = block_model(smollm2, stack=True, blocks=False)  # --no-block-linear
     assert dense.block_linears == 0
     logits = dense(decode_batch(1), filled_cache(smollm2[0]))
     assert counting.runs == 0 and logits.shape == (1, smollm2[0].vocab_size)
@@ -146,7 +163,7 @@ def test_bind_names_the_blocks_it_cannot_take(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
 ) -> None:
     config = smollm2[0]
-    model = float32_model(smollm2, stack=True)
+    model = block_model(smollm2, stack=True)
     cache = filled_cache(config)
     attention = model.attention
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.linear import block_kernel
+from gpu_worker.linear import block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
@@ -295,6 +296,34 @@ def test_smollm2_long_context_decode_matches_transformers(
     check_smollm2_against_transformers(
         smollm2_on_cpu_in_transformers, config, model, texts, 16, num_blocks=96
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    cpu_multiplies_bfloat16() or block_kernel() is None,
+    reason="bfloat16 takes the GGUF blocks only on AVX2 CPUs that cannot multiply bfloat16",
+)
+def test_smollm2_bfloat16_on_gguf_blocks_follows_transformers_bfloat16(
+    smollm2: tuple[Path, ModelConfig, LlamaModel],
+) -> None:
+    """bfloat16 on a CPU without bfloat16 multiplies: every linear on the file's blocks, each weight
+    rounded to bfloat16 as transformers' bfloat16 copy holds it. bfloat16's rounding lets greedy
+    decoding drift from transformers' after a while (it did at token 19 of the first prompt here,
+    where float32's top two logits were 0.08 apart), so the first 16 tokens are compared."""
+    path, config, _ = smollm2
+    _, weights = load_model(path)
+    model = LlamaModel(config, torch.bfloat16, "cpu")
+    model.load_weights(weights, load_block_weights(path, config))
+    assert model.block_linears == 4 * config.num_layers + 1
+    use_backend(model, config, "cpu", block_size=16)
+    attention = model.attention
+    assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
+    assert attention.decode_stack.blocks and attention.decode_stack.dtype == torch.bfloat16
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.bfloat16
+    ).eval()
+    check_smollm2_against_transformers((tokenizer, hf_model), config, model, max_new=16)
 
 
 @pytest.mark.gpu

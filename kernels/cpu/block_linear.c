@@ -22,6 +22,11 @@
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
  *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
  *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
+ *
+ * duoserve_block_linear_bf16 serves bfloat16 models on CPUs that cannot multiply bfloat16
+ * (no AVX-512 BF16, no AMX): the weights are widened as above and rounded on to bfloat16 (the
+ * values the model's bfloat16 copy holds), x and the bias are widened to float32 exactly, the
+ * products and sums are float32, and y is rounded to bfloat16 once: a bfloat16 matmul's result.
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -33,6 +38,7 @@
 #endif
 
 #include "avx2.h"
+#include "bf16.h"
 
 /* ggml's type numbers, as in the GGUF file. */
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
@@ -50,9 +56,19 @@ static inline float half_to_float(const uint8_t *p)
 static inline int64_t block_bytes(int type) { return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : 18; }
 static inline int64_t quants_at(int type) { return type == TYPE_Q4_1 ? 4 : 2; }
 
+/* v rounded to the nearest bfloat16, ties to even, as float32 (v finite). */
+static inline __m256 round_bf16(__m256 v)
+{
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
+    return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1), d * q - 8d (Q4_0) or
- * d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact). */
-static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, __m256 w[4])
+ * d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact); with
+ * `bf16`, rounded on to bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
+static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
     const float d = half_to_float(block);
     const __m256 scale = _mm256_set1_ps(d);
@@ -61,6 +77,7 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         for (int j = 0; j < 4; j++) {
             const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * j));
             w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+            if (bf16) w[j] = round_bf16(w[j]);
         }
         return;
     }
@@ -74,16 +91,18 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
     for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(w[j], scale, add);
+    if (bf16)
+        for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
 }
 
 /*
- * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks (both constants once
- * inlined). Chains of additions: four per row for one or two rows, two per row past that, so
+ * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks widened as `bf16`
+ * says (all three constants once inlined). Chains of additions: four per row for one or two rows, two per row past that, so
  * that the additions' latency hides behind the widening and the loads.
  */
 static inline __attribute__((always_inline)) void pass(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
-    int64_t n, float bias, const int type, const int rows)
+    int64_t n, float bias, const int type, const int bf16, const int rows)
 {
     const int chains = rows <= 2 ? 4 : 2;
     __m256 acc[STREAM_ROWS][4];
@@ -92,7 +111,7 @@ static inline __attribute__((always_inline)) void pass(
     const int64_t size = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        widen(row + b * size, type, w);
+        widen(row + b * size, type, bf16, w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + r * x_stride + 32 * b;
             for (int j = 0; j < 4; j++)
@@ -106,26 +125,27 @@ static inline __attribute__((always_inline)) void pass(
     }
 }
 
-/* Output `n` for every row of x (at most STREAM_ROWS), on `type` blocks (a constant once inlined). */
+/* Output `n` for every row of x (at most STREAM_ROWS), on `type` blocks widened as `bf16` says
+ * (constants once inlined). */
 static inline __attribute__((always_inline)) void output(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t rows,
-    int64_t n_total, int64_t n, float bias, const int type)
+    int64_t n_total, int64_t n, float bias, const int type, const int bf16)
 {
     switch (rows) {
-    case 6: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 6); break;
-    case 5: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 5); break;
-    case 4: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 4); break;
-    case 3: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 3); break;
-    case 2: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 2); break;
-    case 1: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, 1); break;
+    case 6: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 6); break;
+    case 5: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 5); break;
+    case 4: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 4); break;
+    case 3: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 3); break;
+    case 2: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 2); break;
+    case 1: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 1); break;
     default: break;
     }
 }
 
 /* The streaming path: each weight row read once from memory, for all rows of x in one pass. */
 static void stream_rows(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
-    int64_t n, int64_t k, int threads)
+    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    int64_t rows, int64_t n, int64_t k, int threads)
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = blocks * block_bytes(type);
@@ -134,11 +154,14 @@ static void stream_rows(
         const uint8_t *row = w + o * row_bytes;
         const float b = bias == NULL ? 0.0f : bias[o];
         if (type == TYPE_Q8_0)
-            output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q8_0);
+            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q8_0, 1)
+                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q8_0, 0);
         else if (type == TYPE_Q4_1)
-            output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_1);
+            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_1, 1)
+                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_1, 0);
         else
-            output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0);
+            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0, 1)
+                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0, 0);
     }
 }
 
@@ -158,12 +181,13 @@ static void stream_rows(
 #define BAND_GROUPS 4 /* row groups a panel is widened for: x's band stays in cache */
 #define PANEL_BYTES (160 * 1024) /* of a core's 512 KB second-level cache on Zen 3 */
 
-static inline __attribute__((always_inline)) void widen_row(const uint8_t *row, int64_t blocks, const int type, float *out)
+static inline __attribute__((always_inline)) void widen_row(
+    const uint8_t *row, int64_t blocks, const int type, const int bf16, float *out)
 {
     const int64_t size = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        widen(row + b * size, type, w);
+        widen(row + b * size, type, bf16, w);
         for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * b + 8 * j, w[j]);
     }
 }
@@ -227,18 +251,18 @@ static float *thread_scratch(float **scratch, int64_t *capacity, int64_t floats)
 
 /* Widen weight rows first .. first + outs - 1 into `panel` (row stride k), zero rows after them
  * up to a whole tile. */
-static void widen_panel(const uint8_t *w, int type, int64_t first, int64_t outs, int64_t k, float *panel)
+static void widen_panel(const uint8_t *w, int type, int bf16, int64_t first, int64_t outs, int64_t k, float *panel)
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = blocks * block_bytes(type);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *row = w + (first + o) * row_bytes;
         if (type == TYPE_Q8_0)
-            widen_row(row, blocks, TYPE_Q8_0, panel + o * k);
+            bf16 ? widen_row(row, blocks, TYPE_Q8_0, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q8_0, 0, panel + o * k);
         else if (type == TYPE_Q4_1)
-            widen_row(row, blocks, TYPE_Q4_1, panel + o * k);
+            bf16 ? widen_row(row, blocks, TYPE_Q4_1, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q4_1, 0, panel + o * k);
         else
-            widen_row(row, blocks, TYPE_Q4_0, panel + o * k);
+            bf16 ? widen_row(row, blocks, TYPE_Q4_0, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q4_0, 0, panel + o * k);
     }
     for (int64_t o = outs; o < (outs + TILE_OUTS - 1) / TILE_OUTS * TILE_OUTS; o++)
         for (int64_t i = 0; i < k; i++) panel[o * k + i] = 0.0f;
@@ -257,8 +281,8 @@ static void columns_of(const float *x, int64_t x_stride, int64_t rows, int64_t f
 /* The tiled path, x copied into `xt` (ceil(rows / TILE_ROWS) * TILE_ROWS * k floats, 32-byte
  * aligned); -2 where a thread's panel cannot be had. */
 static int tiled_rows(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
-    int64_t n, int64_t k, float *xt, int threads)
+    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    int64_t rows, int64_t n, int64_t k, float *xt, int threads)
 {
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
     /* Panels of a multiple of TILE_OUTS outputs, as many as fit PANEL_BYTES, their count a
@@ -285,7 +309,7 @@ static int tiled_rows(
                 if (panel == NULL) continue;
                 const int64_t first = p * width;
                 const int64_t outs = n - first < width ? n - first : width;
-                widen_panel(w, type, first, outs, k, panel);
+                widen_panel(w, type, bf16, first, outs, k, panel);
                 for (int64_t g = band; g < band_end; g++) {
                     const int64_t r = g * TILE_ROWS;
                     const int tile_rows = rows - r < TILE_ROWS ? (int)(rows - r) : TILE_ROWS;
@@ -300,6 +324,27 @@ static int tiled_rows(
     return failed ? -2 : 0;
 }
 
+/* The product on weights widened as `bf16` says; see duoserve_block_linear. */
+static int block_linear(
+    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    int64_t rows, int64_t n, int64_t k, int threads)
+{
+    if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
+    /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
+     * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
+    const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
+    const int64_t tiled = rows - tail;
+    if (tiled > 0) {
+        float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
+        if (xt == NULL) return -2;
+        const int status = tiled_rows(x, x_stride, w, type, bf16, bias, y, tiled, n, k, xt, threads);
+        if (status != 0) return status;
+    }
+    if (tail > 0)
+        stream_rows(x + tiled * x_stride, x_stride, w, type, bf16, bias, y + tiled * n, tail, n, k, threads);
+    return 0;
+}
+
 /*
  * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
  * `type` blocks, k / 32 per output row; bias may be NULL. Up to STREAM_ROWS rows stream the
@@ -311,17 +356,40 @@ int duoserve_block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
     int64_t n, int64_t k, int threads)
 {
+    return block_linear(x, x_stride, w, type, 0, bias, y, rows, n, k, threads);
+}
+
+/* Scratch of the calling thread's for the bfloat16 entry: x, y and the bias in float32. */
+static __thread float *x_floats = NULL, *y_floats = NULL, *bias_floats = NULL;
+static __thread int64_t x_capacity = 0, y_capacity = 0, bias_capacity = 0;
+
+/* Conversions of more elements than this share the threads. */
+#define CONVERT_ALONE 65536
+
+/*
+ * duoserve_block_linear in bfloat16: x [rows, k] (row stride x_stride), bias [n] (or NULL) and
+ * y [rows, n] are bfloat16, and so are the weights: each widened weight is rounded to bfloat16,
+ * the value a bfloat16 copy of the dequantized weight holds. The products and their sums are
+ * float32 (x and the bias widen exactly); y is rounded to nearest even once. Returns as
+ * duoserve_block_linear does.
+ */
+int duoserve_block_linear_bf16(
+    const uint16_t *x, int64_t x_stride, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+    int64_t rows, int64_t n, int64_t k, int threads)
+{
     if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
-    /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
-     * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
-    const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
-    const int64_t tiled = rows - tail;
-    if (tiled > 0) {
-        float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
-        if (xt == NULL) return -2;
-        const int status = tiled_rows(x, x_stride, w, type, bias, y, tiled, n, k, xt, threads);
-        if (status != 0) return status;
-    }
-    if (tail > 0) stream_rows(x + tiled * x_stride, x_stride, w, type, bias, y + tiled * n, tail, n, k, threads);
+    float *xf = thread_scratch(&x_floats, &x_capacity, rows * k);
+    float *yf = thread_scratch(&y_floats, &y_capacity, rows * n);
+    float *bf = bias == NULL ? NULL : thread_scratch(&bias_floats, &bias_capacity, n);
+    if (xf == NULL || yf == NULL || (bias != NULL && bf == NULL)) return -2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k > CONVERT_ALONE)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_float(x[r * x_stride + i]);
+    if (bias != NULL)
+        for (int64_t o = 0; o < n; o++) bf[o] = bf16_to_float(bias[o]);
+    const int status = block_linear(xf, k, w, type, 1, bf, yf, rows, n, k, threads);
+    if (status != 0) return status;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > CONVERT_ALONE)
+    for (int64_t i = 0; i < rows * n; i++) y[i] = float_to_bf16(yf[i]);
     return 0;
 }

@@ -6,13 +6,15 @@
  * Python, eight per layer. This runs the same kernels the per-op path calls, in the same order,
  * on the same buffers: the pair-layout linear (qkv, o, gate_up, down) on weights packed by
  * kernels/cpu_pair_linear.py, rotary, the KV write, paged decode attention, residual add +
- * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit. Two
- * builds, by kernels/cpu_stack.py, with the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK):
+ * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit. Two kinds of
+ * build, by kernels/cpu_stack.py, with the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK):
  *   bfloat16 (-DELEM_BF16=1): the pair-layout linear on weights packed by
  *     kernels/cpu_pair_linear.py, on the per-op path's engine (AMX tiles, or AVX-512 BF16 dot
  *     products with -DNO_AMX=1), for batches of up to 64 rows;
- *   float32 on GGUF blocks (-DELEM_BF16=0 -DBLOCK_LINEAR=1): the block linear
- *     (kernels/cpu/block_linear.c) on the file's Q8_0/Q4_0/Q4_1 blocks, up to 64 rows.
+ *   GGUF blocks (-DBLOCK_LINEAR=1): the block linear (kernels/cpu/block_linear.c) on the file's
+ *     Q8_0/Q4_0/Q4_1 blocks, up to 64 rows, in float32 (-DELEM_BF16=0) or, on CPUs that cannot
+ *     multiply bfloat16, in bfloat16 (-DELEM_BF16=1: the linears' inputs widened, their outputs
+ *     rounded).
  */
 #include <stdint.h>
 #include <string.h>
@@ -21,14 +23,16 @@
 #include "paged_decode_attention.c"
 
 #if BLOCK_LINEAR
-#if ELEM_BF16
-#error "the block-linear decode stack runs in float32 (build with -DELEM_BF16=0)"
-#endif
 #include "block_linear.c"
-/* y = x @ w.T (+ bias), w the `which` linear's blocks of the layer. */
+/* y = x @ w.T (+ bias), w the `which` linear's blocks of the layer; in bfloat16, x and the bias
+ * widened to float32 and y rounded back (duoserve_block_linear_bf16). */
+#if ELEM_BF16
+#define BLOCK_LINEAR_CALL duoserve_block_linear_bf16
+#else
+#define BLOCK_LINEAR_CALL duoserve_block_linear
+#endif
 #define LINEAR(layer, which, x, in, bias, y, rows, out, threads)                                                   \
-    duoserve_block_linear(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, rows, out, in, \
-                          threads)
+    BLOCK_LINEAR_CALL(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, rows, out, in, threads)
 #else
 #if !ELEM_BF16
 #error "the pair-linear decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
