@@ -38,10 +38,16 @@ def _compiler() -> str:
 
 
 def _base_flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC"]
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-mprefer-vector-width=512")  # the kernels' loops are 64+ floats wide
     return flags
+
+
+# The link is a separate step without -ffast-math: with it, GCC before 13 links crtfastmath.o into
+# the library, whose constructor turns on flush-to-zero and denormals-are-zero in whichever thread
+# loads it, changing every later float operation of that thread (torch's included).
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _cpu_identity() -> str:
@@ -80,7 +86,7 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
     # What the sources include: the headers, and the sources one library builds from others.
     headers = [path.read_text() for path in sorted([*sources.glob("*.h"), *sources.glob("*.c")])]
     digest = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, *flags, version, _cpu_identity()]).encode()
+        "\0".join([source.read_text(), *headers, *flags, *_LINK_FLAGS, version, _cpu_identity()]).encode()
     ).hexdigest()[:20]
     directory = cache_dir()
     target = directory / f"{source.stem}-{digest}.so"
@@ -90,14 +96,21 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KernelBuildError(f"cannot create the kernel cache {directory}: {exc}") from exc
-    # Compile to a private name, then rename: concurrent workers never load a half-written file.
+    # Compile and link to private names, then rename: concurrent workers never load a half-written file.
     fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
     os.close(fd)
-    command = [compiler, *flags, str(source), "-o", partial]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        Path(partial).unlink(missing_ok=True)
-        raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    objects = partial.removesuffix(".so") + ".o"
+    try:
+        for command in (
+            [compiler, *flags, "-c", str(source), "-o", objects],
+            [compiler, *_LINK_FLAGS, objects, "-o", partial],
+        ):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                Path(partial).unlink(missing_ok=True)
+                raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+    finally:
+        Path(objects).unlink(missing_ok=True)
     os.replace(partial, target)
     log.info("built the CPU kernel %s", target)
     return target

@@ -18,6 +18,7 @@ from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
 from scheduler.model_files import find_default_model
+from tests.cpu_features import cpu_has
 
 transformers = pytest.importorskip("transformers")
 
@@ -300,7 +301,7 @@ def test_smollm2_long_context_decode_matches_transformers(
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    cpu_multiplies_bfloat16() or block_kernel() is None,
+    cpu_multiplies_bfloat16() or not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")),
     reason="bfloat16 takes the GGUF blocks only on AVX2 CPUs that cannot multiply bfloat16",
 )
 def test_smollm2_bfloat16_on_gguf_blocks_follows_transformers_bfloat16(

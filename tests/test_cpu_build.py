@@ -1,0 +1,56 @@
+"""Building and loading the CPU kernels (kernels/cpu_build.py) leaves the loading thread's float
+arithmetic as it was: a library linked with -ffast-math would turn on flush-to-zero there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import torch
+
+    from kernels.cpu_build import KernelBuildError
+    from kernels.cpu_block_linear import load_block_linear
+    from kernels.cpu_decode import load_cpu_decode_attention
+    from kernels.cpu_fused import load_cpu_fused_ops
+    from kernels.cpu_prefill import load_prefill_attention
+    from kernels.cpu_stack import load_cpu_decode_stack
+
+    TINY = np.float32(1e-39)  # below float32's smallest normal number
+
+    def subnormals_survive():
+        return float((np.array([TINY]) * np.float32(1.0))[0]) != 0.0 and float(torch.tensor(1e-39) * 1.0) != 0.0
+
+    assert subnormals_survive(), "subnormals flushed before any kernel was loaded"
+    loaded = []
+    for name, load in [
+        ("block linear", load_block_linear),
+        ("fused ops", lambda: load_cpu_fused_ops(torch.float32)),
+        ("decode attention", lambda: load_cpu_decode_attention(64, 3, 16, torch.float32)),
+        ("block decode stack", lambda: load_cpu_decode_stack(64, 3, 16, blocks=True)),
+        ("prefill attention", lambda: load_prefill_attention(64, dtype=torch.float32)),
+    ]:
+        try:
+            load()
+        except KernelBuildError:
+            continue
+        loaded.append(name)
+        assert subnormals_survive(), f"loading the {name} turned on flush-to-zero"
+    print(",".join(loaded))
+    """
+)
+
+
+def test_loading_a_kernel_keeps_subnormal_floats() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    # Every CPU CI runs on builds at least the block linear (AVX2, FMA, F16C) and the fused ops.
+    assert {"block linear", "fused ops"} <= set(result.stdout.strip().split(","))
