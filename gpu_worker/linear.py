@@ -161,7 +161,6 @@ class Linear:
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
         self.blocks: BlockWeight | None = None
         self._block: BlockLinear | None = None
-        self._block_max_rows = BLOCK_MAX_ROWS if weight.dtype == torch.float32 else None
         if blocks is not None and blocks_take(weight.dtype, weight.device):
             if (blocks.n, blocks.k) != tuple(weight.shape):
                 raise ValueError(
@@ -183,8 +182,14 @@ class Linear:
 
     def takes_block_kernel(self, x: torch.Tensor) -> bool:
         """True when a step of x's rows runs on the GGUF-block kernel."""
-        rows, most = x.shape[0], self._block_max_rows
-        return self.blocks is not None and x.stride(-1) == 1 and rows >= 1 and (most is None or rows <= most)
+        rows = x.shape[0]
+        capped = self.weight.dtype == torch.float32  # in bfloat16 the blocks take every size
+        return (
+            self.blocks is not None
+            and x.stride(-1) == 1
+            and rows >= 1
+            and (not capped or rows <= BLOCK_MAX_ROWS)
+        )
 
     @property
     def pair_engine(self) -> str | None:

@@ -12,9 +12,10 @@ x @ dequantize(weight).T to float32 rounding. AVX2, FMA and F16C
 are needed; elsewhere `load_block_linear` raises `KernelBuildError` and the worker keeps its
 float32 copies for every step.
 
-bfloat16 x (and bias) give a bfloat16 y: the float32 result on the widened x, rounded once. That
-is how bfloat16 models run on CPUs that cannot multiply bfloat16 (no AVX-512 BF16, no AMX), where
-torch's bfloat16 matmul is 4-5x slower than this kernel on SmolLM2's shapes.
+bfloat16 x (and bias) give a bfloat16 y: each widened weight is rounded to bfloat16 (the value the
+model's bfloat16 copy holds), the products and sums are float32 on the widened x, and y is rounded
+once. That is how bfloat16 models run on CPUs that cannot multiply bfloat16 (no AVX-512 BF16, no
+AMX), where torch's bfloat16 matmul is 4-5x slower than this kernel on SmolLM2's shapes.
 """
 
 from __future__ import annotations

@@ -377,7 +377,6 @@ int duoserve_block_linear_bf16(
     const uint16_t *x, int64_t x_stride, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
     int64_t rows, int64_t n, int64_t k, int threads)
 {
-    if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
     float *xf = thread_scratch(&x_floats, &x_capacity, rows * k);
     float *yf = thread_scratch(&y_floats, &y_capacity, rows * n);
     float *bf = bias == NULL ? NULL : thread_scratch(&bias_floats, &bias_capacity, n);
