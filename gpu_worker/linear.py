@@ -10,8 +10,10 @@ step: on an AVX2-only 2-core AMD EPYC (Zen 3) it multiplied 1.5-4.3x faster than
 (MKL) at SmolLM2's shapes, e.g. 8 rows through the MLP's gate/up 0.49 against 2.1 ms, the
 49152-row LM head for one row 10.6 against 18.0 ms. Elsewhere `F.linear` is used as is.
 
-A GGUF model's linears keep the file's blocks where `blocks_take` says so (float32 on the CPU, and
-bfloat16 on CPUs that cannot multiply bfloat16): see kernels/cpu_block_linear.py.
+Linears keep their weights as the model's files store them (a GGUF file's blocks, 16-bit floats)
+where `blocks_take` says so (float32 on the CPU, and bfloat16 on CPUs that cannot multiply
+bfloat16), and multiply on them: see kernels/cpu_block_linear.py. In bfloat16 there, a weight
+without quantized blocks multiplies on itself.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_block_linear, cpu_pair_linear
-from kernels.cpu_block_linear import BlockLinear, BlockWeight, load_block_linear
+from kernels.cpu_block_linear import BF16, BlockLinear, BlockWeight, load_block_linear
 from kernels.cpu_build import cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
@@ -46,7 +48,7 @@ def cpu_multiplies_bfloat16() -> bool:
 
 
 def blocks_take(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when linears with GGUF blocks multiply on them in `dtype` on `device`: float32 on the
+    """True when linears with blocks multiply on them in `dtype` on `device`: float32 on the
     CPU, and bfloat16 on a CPU that cannot multiply bfloat16. There torch's bfloat16 matmul is
     emulated: on an AVX2-only AMD EPYC (Zen 3) it took 4-5x the block kernel's time for SmolLM2's
     linears at 64-1024 rows, so in bfloat16 the blocks take steps of every size."""
@@ -120,16 +122,14 @@ def pair_kernel() -> PairLinear | None:
 
 
 def block_kernel() -> BlockLinear | None:
-    """The GGUF-block linear kernel, or None where it cannot run (said once in the log)."""
+    """The block linear kernel, or None where it cannot run (said once in the log)."""
     with _kernels_lock:
         if not _block:
             try:
                 _block.append(load_block_linear())
-                log.info(
-                    "GGUF-block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS
-                )
+                log.info("block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS)
             except KernelBuildError as exc:
-                log.info("GGUF-block linear kernel unavailable, float32 copies take every step: %s", exc)
+                log.info("block linear kernel unavailable, float32 copies take every step: %s", exc)
                 _block.append(None)
         return _block[0]
 
@@ -139,9 +139,10 @@ class Linear:
 
     Not `packed`: `F.linear`. `packed`: oneDNN's packed kernel, except that with `pair` steps of
     up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`). With
-    `blocks` (the weight as the GGUF file stores it; float32, or bfloat16 where `blocks_take`),
-    steps take the block kernel where it loads: in float32 those of up to BLOCK_MAX_ROWS rows, in
-    bfloat16 all of them.
+    `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take`), steps
+    take the block kernel where it loads: in float32 those of up to BLOCK_MAX_ROWS rows, in
+    bfloat16 all of them. With `self_blocks`, a bfloat16 weight without quantized blocks is its
+    own blocks (the same values, no copy).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class Linear:
         packed: bool,
         pair: PairLinear | None = None,
         blocks: BlockWeight | None = None,
+        self_blocks: bool = False,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -161,6 +163,15 @@ class Linear:
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
         self.blocks: BlockWeight | None = None
         self._block: BlockLinear | None = None
+        if (
+            self_blocks
+            and weight.dtype == torch.bfloat16
+            and (blocks is None or blocks.type == BF16)
+            and weight.dim() == 2
+            and weight.shape[1] % 32 == 0
+            and weight.is_contiguous()
+        ):
+            blocks = BlockWeight.dense(weight.detach())
         if blocks is not None and blocks_take(weight.dtype, weight.device):
             if (blocks.n, blocks.k) != tuple(weight.shape):
                 raise ValueError(
@@ -181,7 +192,7 @@ class Linear:
         return self._own_kernel(x) if self.takes_own_kernel(x) else self._onednn(x)
 
     def takes_block_kernel(self, x: torch.Tensor) -> bool:
-        """True when a step of x's rows runs on the GGUF-block kernel."""
+        """True when a step of x's rows runs on the block kernel."""
         rows = x.shape[0]
         capped = self.weight.dtype == torch.float32  # in bfloat16 the blocks take every size
         return (
@@ -225,8 +236,9 @@ class GateUpLinear(Linear):
         packed: bool,
         pair: PairLinear | None = None,
         blocks: BlockWeight | None = None,
+        self_blocks: bool = False,
     ) -> None:
-        super().__init__(weight, None, packed, pair, blocks)
+        super().__init__(weight, None, packed, pair, blocks, self_blocks)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
         self.post_ops = packed and onednn_post_ops_available(weight.dtype)
         half = weight.shape[0] // 2

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.cpu_block_linear import BLOCK_BYTES, BlockWeight
+from kernels.cpu_block_linear import BLOCK_BYTES, DENSE_TYPES, BlockWeight
 from scheduler.gguf_file import GGUFFile, read_gguf
 
 _GGUF_ARCHITECTURES = ("llama",)
@@ -190,17 +190,20 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def load_block_weights(path: str | Path, config: ModelConfig) -> dict[str, BlockWeight]:
-    """A GGUF file's 2-D weights stored as Q8_0, Q4_0 or Q4_1, by Hugging Face name, in their blocks
-    (q and k rows in Hugging Face's order, as `load_model` gives them); empty for other files."""
+    """The model's 2-D weights as its files store them, by Hugging Face name, for the block linear
+    (kernels/cpu_block_linear.py): a GGUF file's stored as Q8_0, Q4_0, Q4_1, F16 or BF16 (q and k
+    rows in Hugging Face's order, as `load_model` gives them), a Hugging Face directory's stored as
+    float16 or bfloat16. Weights of other types are left out."""
     path = Path(path)
     if path.is_dir():
-        return {}
+        return _hf_block_weights(path)
     found: dict[str, BlockWeight] = {}
     for t in _gguf_reader(path).tensors:
         hf_name = _gguf_to_hf_name(t.name)
         if hf_name is None or len(t.shape) != 2 or int(t.tensor_type) not in BLOCK_BYTES:
             continue
-        blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True))  # off the memory map
+        # Off the memory map, as bytes: F16 tensors read as float16 elements, the others as bytes.
+        blocks = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(int(t.shape[1]), -1))
         if hf_name.endswith("self_attn.q_proj.weight"):
             blocks = _unpermute_rotary_rows(blocks, config.num_heads, config.head_dim)
         elif hf_name.endswith("self_attn.k_proj.weight"):
@@ -347,6 +350,15 @@ def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
     return config, tensors
 
 
+def _hf_block_weights(path: Path) -> dict[str, BlockWeight]:
+    found: dict[str, BlockWeight] = {}
+    for file in _safetensors_files(path):
+        for name, tensor in _read_safetensors(file, as_stored=True):
+            if tensor.dim() == 2 and tensor.dtype in DENSE_TYPES and tensor.shape[1] % 32 == 0:
+                found[name] = BlockWeight.dense(tensor.contiguous())
+    return found
+
+
 def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         raise ModelLoadError(f"{file.parent}: directory has no {file.name}")
@@ -451,12 +463,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(file: Path, as_stored: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, in float32 or (`as_stored`) in the file's dtypes."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, handle.get_tensor(name).to(torch.float32)
+                tensor = handle.get_tensor(name)
+                yield name, tensor if as_stored else tensor.to(torch.float32)
     except (SafetensorError, OSError) as exc:
         raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc

@@ -24,7 +24,7 @@ from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# A layer's GGUF blocks for qkv, o, gate/up and down, each None where it has none.
+# A layer's blocks (as its files store the weights) for qkv, o, gate/up and down, each None where it has none.
 LayerBlocks = tuple[BlockWeight | None, BlockWeight | None, BlockWeight | None, BlockWeight | None]
 
 
@@ -112,15 +112,20 @@ class DecoderLayer(nn.Module):
         self.prepare_linears(packed=False)
 
     def prepare_linears(
-        self, packed: bool, pair: PairLinear | None = None, blocks: LayerBlocks | None = None
+        self,
+        packed: bool,
+        pair: PairLinear | None = None,
+        blocks: LayerBlocks | None = None,
+        self_blocks: bool = False,
     ) -> None:
         """Bind the four matmuls to the current weights (call again after loading them); `blocks`
-        gives the GGUF blocks of each (or None) for the block kernel."""
+        gives the file's blocks of each (or None) for the block kernel, and with `self_blocks`
+        bfloat16 weights without quantized blocks multiply on themselves there (see Linear)."""
         qkv, o, gate_up, down = blocks or (None, None, None, None)
-        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, pair, qkv)
-        self.o_proj = Linear(self.o_weight, None, packed, pair, o)
-        self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair, gate_up)
-        self.down = Linear(self.down_weight, None, packed, pair, down)
+        self.qkv = Linear(self.qkv_weight, self.qkv_bias, packed, pair, qkv, self_blocks)
+        self.o_proj = Linear(self.o_weight, None, packed, pair, o, self_blocks)
+        self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair, gate_up, self_blocks)
+        self.down = Linear(self.down_weight, None, packed, pair, down, self_blocks)
 
     def forward(
         self,
@@ -261,8 +266,9 @@ class LlamaModel(nn.Module):
         self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, BlockWeight] | None = None
     ) -> None:
         """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
-        (from `load_block_weights`, the same file's) lets CPU linears take the block kernel where
-        `blocks_take` (gpu_worker/linear.py) says so."""
+        (from `load_block_weights`, the same files'; None: no block kernel) lets CPU linears take the
+        block kernel where `blocks_take` (gpu_worker/linear.py) says so; in bfloat16 there, every
+        linear without quantized blocks multiplies on its own weight on it."""
 
         def take(name: str) -> torch.Tensor:
             assert name in state_dict, f"weight {name!r} missing from the state dict"
@@ -291,12 +297,14 @@ class LlamaModel(nn.Module):
         # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
         own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
         pair = pair_kernel() if own else None
-        blocks = blocks if blocks and blocks_take(self.dtype, self.device) else {}
+        takes_blocks = blocks is not None and blocks_take(self.dtype, self.device)
+        self_blocks = takes_blocks and self.dtype == torch.bfloat16
+        blocks = blocks if blocks and takes_blocks else {}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."))
+            layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."), self_blocks)
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head))
+        self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head), self_blocks)
 
     def linears(self) -> list[Linear]:
         """Every linear: the LM head, then each layer's qkv, o, gate/up and down."""
@@ -308,7 +316,7 @@ class LlamaModel(nn.Module):
 
     @property
     def block_linears(self) -> int:
-        """How many of the linears have GGUF blocks for the block kernel."""
+        """How many of the linears have blocks for the block kernel."""
         return sum(lin.blocks is not None for lin in self.linears())
 
     @torch.inference_mode()
@@ -459,7 +467,7 @@ def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
 
 
 def _block_weights(*linears: Linear) -> tuple[BlockWeight, ...] | None:
-    """The linears' GGUF blocks, or None unless all of them have them."""
+    """The linears' blocks, or None unless all of them have them."""
     weights = [linear.blocks for linear in linears]
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
 

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -206,7 +207,7 @@ def make_attention(
     takes_blocks = blocks_take(dtype, device)
     pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 and not takes_blocks else None
     if fused is not None and takes_blocks and block_kernel() is not None:
-        try:  # for a model whose linears have GGUF blocks (--block-linear)
+        try:  # for a model whose linears have blocks (--block-linear)
             stack = load_cpu_decode_stack(
                 model_config.head_dim,
                 model_config.num_heads // model_config.num_kv_heads,
@@ -314,11 +315,13 @@ def _run(config: WorkerConfig) -> int:
     model.load_weights(weights, load_block_weights(config.model, model_config) if takes_blocks else None)
     del weights
     if takes_blocks:
+        types = Counter(lin.blocks.type_name for lin in model.linears() if lin.blocks is not None)
         log.info(
-            "%d of %d linears keep their GGUF blocks for steps of %s rows",
+            "%d of %d linears take the block kernel for steps of %s rows (%s)",
             model.block_linears,
             4 * model_config.num_layers + 1,
             f"up to {BLOCK_MAX_ROWS}" if dtype == torch.float32 else "any number of",
+            ", ".join(f"{count} {name}" for name, count in sorted(types.items())) or "no blocks",
         )
     log.info(
         "loaded %s (%s, %s) in %.1f s",

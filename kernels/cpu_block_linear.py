@@ -1,5 +1,6 @@
-"""y = x @ weight.T (+ bias) in float32 on a weight kept in its GGUF blocks (Q8_0, Q4_0, Q4_1),
-on the CPU, for decode steps and prefill chunks.
+"""y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
+steps and prefill chunks: a GGUF file's blocks (Q8_0, Q4_0, Q4_1), or 16-bit floats (F16, BF16) of
+a GGUF file or a safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -15,7 +16,8 @@ float32 copies for every step.
 bfloat16 x (and bias) give a bfloat16 y: each widened weight is rounded to bfloat16 (the value the
 model's bfloat16 copy holds), the products and sums are float32 on the widened x, and y is rounded
 once. That is how bfloat16 models run on CPUs that cannot multiply bfloat16 (no AVX-512 BF16, no
-AMX), where torch's bfloat16 matmul is 4-5x slower than this kernel on SmolLM2's shapes.
+AMX), where torch's bfloat16 matmul is 4-5x slower than this kernel on SmolLM2's shapes. A
+bfloat16 weight multiplies on itself (`BlockWeight.dense`, no copy).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linea
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
 # ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+F16, Q4_0, Q4_1, Q8_0, BF16 = 1, 2, 3, 8, 30
+BLOCK_BYTES = {F16: 64, Q4_0: 18, Q4_1: 20, Q8_0: 34, BF16: 64}
+TYPE_NAMES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+# The 16-bit float types: their blocks are the weight's own elements.
+DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
 
 
@@ -46,7 +50,7 @@ _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.it
 class BlockWeight:
     """A weight [n, k] as GGUF blocks: `blocks` is uint8 [n, k / 32 * bytes per block]."""
 
-    type: int  # Q4_0, Q4_1 or Q8_0
+    type: int  # one of BLOCK_BYTES
     blocks: torch.Tensor
     k: int
 
@@ -78,8 +82,26 @@ class BlockWeight:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @classmethod
+    def dense(cls, weight: torch.Tensor) -> BlockWeight:
+        """A float16 or bfloat16 weight [n, k] (k in 32s, contiguous, on the CPU) as blocks that
+        share its memory."""
+        require(
+            weight.dim() == 2
+            and weight.dtype in DENSE_TYPES
+            and weight.device.type == "cpu"
+            and weight.is_contiguous(),
+            "weight",
+            weight,
+            "a contiguous float16 or bfloat16 [n, k] CPU tensor",
+        )
+        return cls(DENSE_TYPES[weight.dtype], weight.view(torch.uint8), weight.shape[1])
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [n, k] these blocks stand for."""
+        for dtype, type_ in DENSE_TYPES.items():
+            if self.type == type_:
+                return self.blocks.view(dtype).float()
         return torch.from_numpy(_dequantize(self.blocks.numpy(), self.type).reshape(self.n, self.k))
 
 
@@ -192,8 +214,11 @@ def load_block_linear() -> BlockLinear:
 
 
 __all__ = [
+    "BF16",
     "BLOCK_BYTES",
+    "DENSE_TYPES",
     "DTYPES",
+    "F16",
     "MAX_ROWS",
     "Q4_0",
     "Q4_1",

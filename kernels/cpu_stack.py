@@ -1,5 +1,5 @@
 """A decode step through every decoder layer in one C call (CPU: bfloat16 on pair-layout weights,
-or float32 or bfloat16 on GGUF blocks).
+or float32 or bfloat16 on the block linear's blocks).
 
 A decode step of a few sequences reads each weight once per token. When this stack was written,
 streaming SmolLM2-135M's weights took about 13 ms a token on the machine of the time, yet the
@@ -10,9 +10,10 @@ path's, bit for bit, and the step pays one call (more only when the worker has u
 run between layers). Two builds:
 - bfloat16, for batches of up to cpu_pair_linear.MAX_ROWS rows, its linear the pair-layout one
   built for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products);
-- on GGUF blocks (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block
-  kernel on the file's Q8_0/Q4_0/Q4_1 blocks (AVX2): in float32, or in bfloat16 for CPUs that
-  cannot multiply bfloat16 (the linear widens its input and rounds its output). On a 2-core AMD
+- on blocks (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block
+  kernel on the weights as the files store them (Q8_0/Q4_0/Q4_1/F16/BF16, AVX2): in float32, or
+  in bfloat16 for CPUs that cannot multiply bfloat16 (the linear widens its input and rounds its
+  output; weights without quantized blocks are their own BF16 blocks). On a 2-core AMD
   EPYC (Zen 3) a one-sequence float32 SmolLM2 decode step took ~31 ms op by op, ~18 of them in
   the linears.
 
@@ -185,7 +186,7 @@ class BoundStack:
                     (weight.n, weight.k) == (out, k),
                     f"layers[{index}].{field} ({name})",
                     weight.blocks,
-                    f"the GGUF blocks of a [{out}, {k}] weight",
+                    f"the blocks of a [{out}, {k}] weight",
                 )
                 continue
             shape = (out // 16, k // 32, 16, 16, 2)

@@ -1,11 +1,14 @@
-"""The GGUF-block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks,
-and its bfloat16 entry (x widened, y rounded once)."""
+"""The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks and on
+F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from gpu_worker.linear import (
@@ -18,7 +21,9 @@ from gpu_worker.linear import (
 )
 from gpu_worker.loader import load_block_weights, load_model
 from kernels.cpu_block_linear import (
+    BF16,
     BLOCK_BYTES,
+    F16,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -35,14 +40,17 @@ TYPES = {
     Q4_0: gguf.GGMLQuantizationType.Q4_0,
     Q4_1: gguf.GGMLQuantizationType.Q4_1,
     Q8_0: gguf.GGMLQuantizationType.Q8_0,
+    F16: gguf.GGMLQuantizationType.F16,
+    BF16: gguf.GGMLQuantizationType.BF16,
 }
 
 
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
-    """A random [n, k] weight quantized by the gguf package, as a GGUF file stores it."""
+    """A random [n, k] weight quantized by the gguf package, as a GGUF file stores it (its bytes:
+    the package gives F16 as float16 elements)."""
     dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
-    blocks = gguf.quants.quantize(dense, TYPES[type_])
-    return BlockWeight(type_, torch.from_numpy(np.ascontiguousarray(blocks)), k)
+    blocks = np.ascontiguousarray(gguf.quants.quantize(dense, TYPES[type_])).view(np.uint8)
+    return BlockWeight(type_, torch.from_numpy(blocks.reshape(n, -1)), k)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +66,25 @@ def kernel() -> BlockLinear:
 @pytest.mark.parametrize("type_", sorted(TYPES))
 def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
     weight = block_weight(type_, 7, 96, seed=type_)
-    want = gguf.quants.dequantize(weight.blocks.numpy(), TYPES[type_]).reshape(7, 96)
-    assert torch.equal(weight.dequantize(), torch.from_numpy(want))
+    stored = weight.blocks.numpy().view(np.float16) if type_ == F16 else weight.blocks.numpy()
+    want = gguf.quants.dequantize(stored, TYPES[type_]).reshape(7, 96)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(want).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_weight_is_its_own_blocks(dtype: torch.dtype) -> None:
+    weight = torch.randn(5, 64).to(dtype)
+    blocks = BlockWeight.dense(weight)
+    assert blocks.type == {torch.float16: F16, torch.bfloat16: BF16}[dtype]
+    assert (blocks.n, blocks.k) == (5, 64) and blocks.nbytes == weight.numel() * 2
+    assert blocks.blocks.data_ptr() == weight.data_ptr()  # no copy
+    assert torch.equal(blocks.dequantize(), weight.float())
+    with pytest.raises(ValueError, match="weight"):
+        BlockWeight.dense(weight.float())
+    with pytest.raises(ValueError, match="weight"):
+        BlockWeight.dense(weight.T)
+    with pytest.raises(ValueError, match="k"):
+        BlockWeight.dense(weight[:, :48].contiguous())
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
@@ -101,7 +126,7 @@ def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int
     assert torch.equal(kernel(x, weight)[:, :5], kernel(x, weight, torch.zeros_like(bias))[:, :5])
 
 
-@pytest.mark.parametrize("type_", sorted(TYPES))
+@pytest.mark.parametrize("type_", sorted(set(TYPES) - {BF16}))  # BF16 weights are bfloat16 already
 def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
     weight = block_weight(type_, 301, 576, seed=type_)
     dense = weight.dequantize()
@@ -222,8 +247,63 @@ def test_default_model_blocks_are_its_weights(
     )
 
 
-def test_hf_directories_have_no_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    assert load_block_weights(tmp_path, None) == {}  # type: ignore[arg-type]
+def test_hf_directories_give_their_16_bit_weights(tmp_path: Path) -> None:
+    stored = {
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(48, 64).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(64, 96).half(),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(96, 64),  # float32: no blocks
+        "model.layers.0.input_layernorm.weight": torch.randn(64).bfloat16(),  # 1-D
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 40).bfloat16(),  # k not in 32s
+    }
+    safetensors.torch.save_file(stored, str(tmp_path / "model.safetensors"))
+    blocks = load_block_weights(tmp_path, None)  # type: ignore[arg-type]
+    assert set(blocks) == {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    assert blocks["model.layers.0.self_attn.o_proj.weight"].type == BF16
+    assert blocks["model.layers.0.mlp.down_proj.weight"].type == F16
+    for name, block in blocks.items():
+        assert torch.equal(block.dequantize(), stored[name].float()), name
+
+
+def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    f16 = rng.standard_normal((48, 64)).astype(np.float16)
+    bf16 = gguf.quants.quantize(rng.standard_normal((64, 96)).astype(np.float32), TYPES[BF16])
+    writer = gguf.GGUFWriter(tmp_path / "small.gguf", arch="llama")
+    writer.add_tensor("blk.0.attn_output.weight", f16)
+    writer.add_tensor("blk.0.ffn_down.weight", bf16, raw_dtype=TYPES[BF16])
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = load_block_weights(tmp_path / "small.gguf", None)  # type: ignore[arg-type]
+    assert set(blocks) == {"model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"}
+    o, down = blocks["model.layers.0.self_attn.o_proj.weight"], blocks["model.layers.0.mlp.down_proj.weight"]
+    assert (o.type, o.n, o.k) == (F16, 48, 64) and (down.type, down.n, down.k) == (BF16, 64, 96)
+    assert torch.equal(o.dequantize(), torch.from_numpy(f16).float())
+    want = gguf.quants.dequantize(bf16, TYPES[BF16]).reshape(64, 96)
+    assert torch.equal(down.dequantize(), torch.from_numpy(want))
+
+
+def test_a_bfloat16_linear_multiplies_on_itself_with_self_blocks(kernel: BlockLinear) -> None:
+    weight = torch.randn(48, 128).bfloat16()
+    mine = Linear(weight, None, packed=False, self_blocks=True)
+    assert Linear(weight, None, packed=False).blocks is None  # only when asked (--block-linear)
+    assert Linear(weight.float(), None, packed=False, self_blocks=True).blocks is None
+    if cpu_multiplies_bfloat16():
+        assert mine.blocks is None  # its own kernels multiply bfloat16 faster
+        return
+    assert mine.blocks is not None and mine.blocks.type == BF16
+    assert mine.blocks.blocks.data_ptr() == weight.data_ptr()  # no copy
+    x = torch.randn(3, 128).bfloat16()
+    assert torch.equal(mine(x), kernel(x, BlockWeight.dense(weight)))
+    # Quantized blocks of the file's are kept; the file's BF16 blocks give way to the same values
+    # in the weight itself.
+    q = block_weight(Q4_1, 48, 128, seed=9)
+    assert Linear(q.dequantize().bfloat16(), None, packed=False, blocks=q, self_blocks=True).blocks is q
+    copy = BlockWeight.dense(weight.clone())
+    kept = Linear(weight, None, packed=False, blocks=copy, self_blocks=True).blocks
+    assert kept is not None and kept.blocks.data_ptr() == weight.data_ptr()
 
 
 def test_the_worker_path_loads_it_here() -> None:

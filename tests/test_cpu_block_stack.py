@@ -17,7 +17,7 @@ from gpu_worker.linear import block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.worker import make_attention
-from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_block_linear import BF16, BlockWeight
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
@@ -146,6 +146,32 @@ def test_yield_points_between_layers_leave_the_result_unchanged(
     with_yields = stacked(batch, filled_cache(config), lambda: boundaries.append(1))
     assert len(boundaries) == config.num_layers  # one C call per layer, the yield point after each
     assert torch.equal(with_yields, stacked(batch, filled_cache(config)))
+
+
+@pytest.mark.skipif(
+    cpu_multiplies_bfloat16(), reason="this CPU multiplies bfloat16: bfloat16 linears take the pair layout"
+)
+@pytest.mark.parametrize("rows", [3, BLOCK_STACK_MAX_ROWS + 1])  # through the stack, op by op
+def test_bfloat16_weights_on_themselves_compute_what_the_files_blocks_do(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without quantized blocks (a Hugging Face directory), a bfloat16 model's linears multiply on
+    their own bfloat16 weights. Those hold the file's blocks' values rounded to bfloat16, which is
+    what the kernel multiplies on the blocks, so every logit and cache entry is the same."""
+    config, weights, _ = smollm2
+    counting = CountingRuns(monkeypatch)
+    own = block_model((config, weights, {}), stack=True, dtype=torch.bfloat16)
+    assert {lin.blocks.type for lin in own.linears() if lin.blocks is not None} == {BF16}
+    assert own.block_linears == 4 * config.num_layers + 1
+    files = block_model(smollm2, stack=True, dtype=torch.bfloat16)
+    own_cache, files_cache = filled_cache(config, torch.bfloat16), filled_cache(config, torch.bfloat16)
+    batch = decode_batch(rows)
+    assert torch.equal(own(batch, own_cache), files(batch, files_cache))
+    assert counting.runs == (2 if rows <= BLOCK_STACK_MAX_ROWS else 0)
+    for (k_a, v_a), (k_b, v_b) in zip(own_cache, files_cache, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
 
 def test_a_model_without_blocks_decodes_op_by_op(

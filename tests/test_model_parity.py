@@ -182,6 +182,25 @@ TINY_VARIANTS: dict[int, dict[str, Any]] = {
 }
 
 
+def tiny_hf_config(**variant: Any) -> Any:
+    """A 2-layer Llama config with GQA (4 query heads, 2 KV heads), plus `variant`'s settings."""
+    return transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.15,  # wide logits: no near-ties for float rounding to flip
+        **variant,
+    )
+
+
 def use_backend(model: LlamaModel, config: ModelConfig, backend: str, block_size: int) -> None:
     if backend == "triton":
         pytest.importorskip("triton")  # on the CPU it runs interpreted (tests/conftest.py)
@@ -204,21 +223,7 @@ TINY_CASES = [
 @pytest.mark.parametrize(("block_size", "backend"), TINY_CASES, ids=[f"{b}-{k}" for b, k in TINY_CASES])
 def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backend: str) -> None:
     torch.manual_seed(block_size)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.15,  # wide logits: no near-ties for float rounding to flip
-        **TINY_VARIANTS[block_size],
-    )
+    hf_config = tiny_hf_config(**TINY_VARIANTS[block_size])
     hf_model = transformers.LlamaForCausalLM(hf_config).eval()
     hf_model.save_pretrained(tmp_path)
     config, weights = load_model(tmp_path)
@@ -244,6 +249,37 @@ def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backen
     ours = harness.generate(prompts, max_new, seed=block_size, shares=shares)
     with torch.inference_mode():
         expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
+    assert ours == expected, (ours, expected)
+
+
+@pytest.mark.skipif(
+    cpu_multiplies_bfloat16() or not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")),
+    reason="bfloat16 linears take the block kernel only on AVX2 CPUs that cannot multiply bfloat16",
+)
+def test_tiny_bfloat16_directory_on_the_block_kernel_matches_transformers(tmp_path: Path) -> None:
+    """A Hugging Face directory in bfloat16 served in bfloat16 on a CPU without bfloat16 multiplies:
+    every linear multiplies on its own bfloat16 weight on the block kernel, no copy made. The
+    additions run in another order than transformers', and bfloat16's rounding of every layer's
+    output lets greedy decoding drift after a while (at token 9 of the first prompt here), so the
+    first 6 tokens are compared."""
+    torch.manual_seed(3)
+    hf_model = transformers.LlamaForCausalLM(tiny_hf_config(tie_word_embeddings=False))
+    hf_model = hf_model.to(torch.bfloat16).eval()
+    hf_model.save_pretrained(tmp_path)
+    config, weights = load_model(tmp_path)
+    model = LlamaModel(config, torch.bfloat16, "cpu")
+    model.load_weights(weights, load_block_weights(tmp_path, config))
+    assert model.block_linears == 4 * config.num_layers + 1
+    for linear in model.linears():
+        assert linear.blocks is not None and linear.blocks.blocks.data_ptr() == linear.weight.data_ptr()
+    use_backend(model, config, "cpu", block_size=16)
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 9, 30, 41)]
+    harness = PagedHarness(model, config, 16, num_blocks=64)
+    ours = harness.generate(prompts, 6, seed=3)
+    with torch.inference_mode():
+        expected = [_reference_greedy(hf_model, p, 6) for p in prompts]
     assert ours == expected
 
 

@@ -1,6 +1,7 @@
 /*
- * y = x @ w.T (+ bias) in float32 on a weight kept in the GGUF file's own blocks (Q8_0, Q4_0,
- * Q4_1). A decode step streams every weight once and does two flops
+ * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
+ * blocks (Q8_0, Q4_0, Q4_1), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
+ * checkpoint's). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
  *
@@ -8,12 +9,14 @@
  *   Q8_0: fp16 d, int8 q[32]                      w[j] = d * q[j]
  *   Q4_0: fp16 d, uint8 q[16]                     w[j] = d * (nibble[j] - 8)
  *   Q4_1: fp16 d, fp16 m, uint8 q[16]             w[j] = d * nibble[j] + m
+ *   F16:  fp16 h[32]                              w[j] = h[j]
+ *   BF16: bf16 h[32]                              w[j] = h[j]
  * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after.
  *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits fits float32's mantissa; the
- * additive term joins with one rounding), so the result is x @ dequantize(w).T with the
- * additions in another order: equal to float32 rounding.
+ * additive term joins with one rounding; 16-bit floats widen exactly), so the result is
+ * x @ dequantize(w).T with the additions in another order: equal to float32 rounding.
  *
  * Two paths, by the number of rows of x:
  * - up to STREAM_ROWS (a decode step of a few sequences): the weights' bytes set the time. Each
@@ -41,7 +44,22 @@
 #include "bf16.h"
 
 /* ggml's type numbers, as in the GGUF file. */
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };
+enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
+
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the five) and B the one equal to
+ * `bf16` (0 or 1), so that each pair gets its own inlined copy of what CALL calls. BF16 weights
+ * need no rounding to bfloat16, so they take B = 0 either way. */
+#define WITH_CONSTANTS(type, bf16, CALL)                                                             \
+    do {                                                                                             \
+        switch (type) {                                                                              \
+        case TYPE_Q8_0: if (bf16) CALL(TYPE_Q8_0, 1); else CALL(TYPE_Q8_0, 0); break;                \
+        case TYPE_Q4_1: if (bf16) CALL(TYPE_Q4_1, 1); else CALL(TYPE_Q4_1, 0); break;                \
+        case TYPE_Q4_0: if (bf16) CALL(TYPE_Q4_0, 1); else CALL(TYPE_Q4_0, 0); break;                \
+        case TYPE_F16: if (bf16) CALL(TYPE_F16, 1); else CALL(TYPE_F16, 0); break;                   \
+        case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
+        default: break;                                                                              \
+        }                                                                                            \
+    } while (0)
 
 #define STREAM_ROWS 6
 
@@ -52,8 +70,16 @@ static inline float half_to_float(const uint8_t *p)
     return _cvtsh_ss(bits);
 }
 
+static inline int known_type(int type)
+{
+    return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_F16 || type == TYPE_BF16;
+}
+
 /* Bytes of one block, and where its quants start. */
-static inline int64_t block_bytes(int type) { return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : 18; }
+static inline int64_t block_bytes(int type)
+{
+    return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q4_0 ? 18 : 64;
+}
 static inline int64_t quants_at(int type) { return type == TYPE_Q4_1 ? 4 : 2; }
 
 /* v rounded to the nearest bfloat16, ties to even, as float32 (v finite). */
@@ -66,10 +92,25 @@ static inline __m256 round_bf16(__m256 v)
 }
 
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1), d * q - 8d (Q4_0) or
- * d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact); with
+ * d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact), or the
+ * 16-bit floats (F16, BF16) widened exactly; with
  * `bf16`, rounded on to bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
 static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
+    if (type == TYPE_BF16) { /* the high halves of float32s */
+        for (int j = 0; j < 4; j++) {
+            const __m128i halves = _mm_loadu_si128((const __m128i *)(block + 16 * j));
+            w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+        }
+        return;
+    }
+    if (type == TYPE_F16) {
+        for (int j = 0; j < 4; j++) {
+            w[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + 16 * j)));
+            if (bf16) w[j] = round_bf16(w[j]);
+        }
+        return;
+    }
     const float d = half_to_float(block);
     const __m256 scale = _mm256_set1_ps(d);
     const uint8_t *q = block + quants_at(type);
@@ -153,15 +194,9 @@ static void stream_rows(
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *row = w + o * row_bytes;
         const float b = bias == NULL ? 0.0f : bias[o];
-        if (type == TYPE_Q8_0)
-            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q8_0, 1)
-                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q8_0, 0);
-        else if (type == TYPE_Q4_1)
-            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_1, 1)
-                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_1, 0);
-        else
-            bf16 ? output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0, 1)
-                 : output(x, x_stride, blocks, row, y, rows, n, o, b, TYPE_Q4_0, 0);
+#define OUTPUT(T, B) output(x, x_stride, blocks, row, y, rows, n, o, b, T, B)
+        WITH_CONSTANTS(type, bf16, OUTPUT);
+#undef OUTPUT
     }
 }
 
@@ -257,12 +292,9 @@ static void widen_panel(const uint8_t *w, int type, int bf16, int64_t first, int
     const int64_t row_bytes = blocks * block_bytes(type);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *row = w + (first + o) * row_bytes;
-        if (type == TYPE_Q8_0)
-            bf16 ? widen_row(row, blocks, TYPE_Q8_0, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q8_0, 0, panel + o * k);
-        else if (type == TYPE_Q4_1)
-            bf16 ? widen_row(row, blocks, TYPE_Q4_1, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q4_1, 0, panel + o * k);
-        else
-            bf16 ? widen_row(row, blocks, TYPE_Q4_0, 1, panel + o * k) : widen_row(row, blocks, TYPE_Q4_0, 0, panel + o * k);
+#define WIDEN_ROW(T, B) widen_row(row, blocks, T, B, panel + o * k)
+        WITH_CONSTANTS(type, bf16, WIDEN_ROW);
+#undef WIDEN_ROW
     }
     for (int64_t o = outs; o < (outs + TILE_OUTS - 1) / TILE_OUTS * TILE_OUTS; o++)
         for (int64_t i = 0; i < k; i++) panel[o * k + i] = 0.0f;
@@ -329,7 +361,7 @@ static int block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
     int64_t rows, int64_t n, int64_t k, int threads)
 {
-    if ((type != TYPE_Q8_0 && type != TYPE_Q4_0 && type != TYPE_Q4_1) || k % 32 != 0) return -1;
+    if (!known_type(type) || k % 32 != 0) return -1;
     /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
      * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
     const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
