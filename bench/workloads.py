@@ -61,11 +61,13 @@ def default_gguf() -> Path:
     raise FileNotFoundError(f"no *.gguf file in {list(spec.submodule_search_locations)}")
 
 
-def load_tokenizer(gguf: Path) -> Any:
-    """The transformers tokenizer of a GGUF file."""
+def load_tokenizer(model: Path) -> Any:
+    """The transformers tokenizer of a GGUF file or a Hugging Face directory."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if model.is_dir():
+        return AutoTokenizer.from_pretrained(str(model))
+    return AutoTokenizer.from_pretrained(str(model.parent), gguf_file=model.name)
 
 
 def ordinary_token_ids(tokenizer: Any) -> list[int]:
