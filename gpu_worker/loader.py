@@ -200,7 +200,12 @@ def load_block_weights(path: str | Path, config: ModelConfig) -> dict[str, Block
     found: dict[str, BlockWeight] = {}
     for t in _gguf_reader(path).tensors:
         hf_name = _gguf_to_hf_name(t.name)
-        if hf_name is None or len(t.shape) != 2 or int(t.tensor_type) not in BLOCK_BYTES:
+        if (
+            hf_name is None
+            or len(t.shape) != 2
+            or int(t.tensor_type) not in BLOCK_BYTES
+            or int(t.shape[0]) % 32  # F16/BF16 rows need not be in 32s; the kernel's must
+        ):
             continue
         # Off the memory map, as bytes: F16 tensors read as float16 elements, the others as bytes.
         blocks = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(int(t.shape[1]), -1))

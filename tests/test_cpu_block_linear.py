@@ -272,6 +272,7 @@ def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
     writer.add_tensor("blk.0.attn_output.weight", f16)
     writer.add_tensor("blk.0.ffn_down.weight", bf16, raw_dtype=TYPES[BF16])
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate.weight", np.ones((8, 40), dtype=np.float16))  # rows not in 32s
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

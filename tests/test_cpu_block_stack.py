@@ -174,6 +174,33 @@ def test_bfloat16_weights_on_themselves_compute_what_the_files_blocks_do(
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
 
 
+@pytest.mark.parametrize("rows", [3, BLOCK_STACK_MAX_ROWS + 1])
+def test_float32_on_a_checkpoints_bfloat16_weights(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32 serving of a bfloat16 checkpoint: decode steps multiply the file's BF16 tensors
+    (half the bytes of the float32 copies), the stack bit for bit the per-op path, and both the
+    float32 product of the same weights (oneDNN, --no-block-linear) to float32 rounding."""
+    config, weights, file_blocks = smollm2
+    stored = {name: w.bfloat16() for name, w in weights.items()}  # as a bfloat16 directory holds them
+    widened = {name: w.float() for name, w in stored.items()}  # what load_model gives of it
+    blocks = {name: BlockWeight.dense(stored[name]) for name in file_blocks}
+    counting = CountingRuns(monkeypatch)
+    stacked = block_model((config, widened, blocks), stack=True)
+    assert {lin.blocks.type for lin in stacked.linears() if lin.blocks is not None} == {BF16}
+    per_op = block_model((config, widened, blocks), stack=False)
+    copies = block_model((config, widened, blocks), stack=False, blocks=False)
+    caches = [filled_cache(config) for _ in range(3)]
+    batch = decode_batch(rows)
+    got = stacked(batch, caches[0])
+    assert counting.runs == (1 if rows <= BLOCK_STACK_MAX_ROWS else 0)
+    assert torch.equal(got, per_op(batch, caches[1]))
+    # 30 layers' sums in other orders, on random caches: logits came out up to 4e-3 apart.
+    torch.testing.assert_close(got, copies(batch, caches[2]), atol=1e-2, rtol=1e-4)
+
+
 def test_a_model_without_blocks_decodes_op_by_op(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     monkeypatch: pytest.MonkeyPatch,
