@@ -1,11 +1,12 @@
-"""A/B/C of SmolLM2's float32 linears (30 layers and the LM head), as a decode step runs them:
-`F.linear`, oneDNN's packed kernel (which the worker takes in float32 where it runs), and the
+"""A/B/C/D of SmolLM2's float32 linears (30 layers and the LM head), as a decode step runs them:
+`F.linear`, oneDNN's packed kernel (which the worker takes in float32 where it runs), the
 block kernel on the GGUF file's own Q4_1/Q8_0 blocks (which the worker takes for steps of up
-to BLOCK_MAX_ROWS rows; gpu_worker/linear.py).
+to BLOCK_MAX_ROWS rows; gpu_worker/linear.py), and the block kernel on the weights rounded to
+bfloat16 as BF16 blocks (what float32 serving of a bfloat16 checkpoint streams).
 
     .venv/bin/python bench/linear_ab.py [--rows 1 2 4 8 16 64 256]
 
-Each pass streams every weight once, as a decode step does; the three take turns, medians of 5.
+Each pass streams every weight once, as a decode step does; the four take turns, medians of 5.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_worker.linear import Linear, block_kernel
 from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel
+from kernels.cpu_block_linear import BlockWeight
 from scheduler.model_files import find_default_model
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     if with_blocks:
         mb = sum(lin.blocks.nbytes for lin in all_linears if lin.blocks is not None) / 1e6
         dense = sum(lin.weight.numel() * 4 for lin in all_linears) / 1e6
-        print(f"weights: float32 {dense:.0f} MB, GGUF blocks {mb:.0f} MB")
+        print(f"weights: float32 {dense:.0f} MB, GGUF blocks {mb:.0f} MB, BF16 blocks {dense / 2:.0f} MB")
     else:
         print("no block kernel here (or a model without GGUF blocks): two columns only")
 
@@ -64,6 +66,8 @@ def main() -> None:
     if with_blocks:
         assert kernel is not None
         runs["blocks"] = lambda lin, x: kernel(x, lin.blocks)
+        bf16 = {id(lin): BlockWeight.dense(lin.weight.bfloat16()) for lin in all_linears}
+        runs["BF16 blocks"] = lambda lin, x: kernel(x, bf16[id(lin)])
     for rows in args.rows:
         times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(5):
