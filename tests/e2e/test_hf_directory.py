@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from duoserve_client import Client
+from gpu_worker.linear import block_kernel
 from scheduler.model_files import find_default_model
 from tests.e2e.harness import ServerProcess, start_server
 
@@ -45,6 +46,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_bfloat16_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model as a bfloat16 checkpoint (the dtype most Hugging Face checkpoints ship in)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama-bf16")
+    for file in tiny_model_dir.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, folder / file.name)
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
@@ -92,3 +110,22 @@ def test_hf_directory_greedy_matches_transformers_under_concurrency(
     assert len({len(p) for p in prompts}) == 8
     assert served == reference(tiny_model_dir, prompts)
     assert len(chat.token_ids) == 4  # the directory's chat template rendered and served
+
+
+def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloat16_dir: Path) -> None:
+    """float32 serving of a bfloat16 checkpoint on the CPU: decode steps multiply the file's
+    bfloat16 tensors on the block kernel (half the bytes of float32 copies); greedy output equals
+    transformers' float32 on the same (exactly widened) weights."""
+    server = start_server("--model", str(tiny_bfloat16_dir), "--dtype", "float32", "--metrics-port", "0")
+    try:
+        with Client(server.target) as client:
+            prompts = [client.tokenize(f"Question {i}: " + "why " * (i * 5)) for i in range(4)]
+            served = [
+                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+                for p in prompts
+            ]
+    finally:
+        assert server.stop() == 0
+    if block_kernel() is not None:
+        assert "9 of 9 linears take the block kernel for steps of up to 256 rows (9 BF16)" in server.log()
+    assert served == reference(tiny_bfloat16_dir, prompts)
