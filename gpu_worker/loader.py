@@ -189,14 +189,17 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def load_block_weights(path: str | Path, config: ModelConfig) -> dict[str, BlockWeight]:
+def load_block_weights(
+    path: str | Path, config: ModelConfig, sixteen_bit: bool = True
+) -> dict[str, BlockWeight]:
     """The model's 2-D weights as its files store them, by Hugging Face name, for the block linear
     (kernels/cpu_block_linear.py): a GGUF file's stored as Q8_0, Q4_0, Q4_1, F16 or BF16 (q and k
     rows in Hugging Face's order, as `load_model` gives them), a Hugging Face directory's stored as
-    float16 or bfloat16. Weights of other types are left out."""
+    float16 or bfloat16. Weights of other types are left out, and the 16-bit ones unless
+    `sixteen_bit` (a bfloat16 model multiplies on its own weights instead, no copy needed)."""
     path = Path(path)
     if path.is_dir():
-        return _hf_block_weights(path)
+        return _hf_block_weights(path) if sixteen_bit else {}
     found: dict[str, BlockWeight] = {}
     for t in _gguf_reader(path).tensors:
         hf_name = _gguf_to_hf_name(t.name)
@@ -204,6 +207,7 @@ def load_block_weights(path: str | Path, config: ModelConfig) -> dict[str, Block
             hf_name is None
             or len(t.shape) != 2
             or int(t.tensor_type) not in BLOCK_BYTES
+            or (int(t.tensor_type) in DENSE_TYPES.values() and not sixteen_bit)
             or int(t.shape[0]) % 32  # F16/BF16 rows need not be in 32s; the kernel's must
         ):
             continue

@@ -312,7 +312,10 @@ def _run(config: WorkerConfig) -> int:
     model_config, weights = load_model(config.model)
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
     takes_blocks = config.block_linear and blocks_take(dtype, device)
-    model.load_weights(weights, load_block_weights(config.model, model_config) if takes_blocks else None)
+    blocks = None
+    if takes_blocks:  # in bfloat16, 16-bit weights multiply on the model's own copies of them
+        blocks = load_block_weights(config.model, model_config, sixteen_bit=dtype != torch.bfloat16)
+    model.load_weights(weights, blocks)
     del weights
     if takes_blocks:
         types = Counter(lin.blocks.type_name for lin in model.linears() if lin.blocks is not None)

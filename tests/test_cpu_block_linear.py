@@ -262,6 +262,7 @@ def test_hf_directories_give_their_16_bit_weights(tmp_path: Path) -> None:
     assert blocks["model.layers.0.mlp.down_proj.weight"].type == F16
     for name, block in blocks.items():
         assert torch.equal(block.dequantize(), stored[name].float()), name
+    assert load_block_weights(tmp_path, None, sixteen_bit=False) == {}  # type: ignore[arg-type]
 
 
 def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
@@ -284,6 +285,7 @@ def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
     assert torch.equal(o.dequantize(), torch.from_numpy(f16).float())
     want = gguf.quants.dequantize(bf16, TYPES[BF16]).reshape(64, 96)
     assert torch.equal(down.dequantize(), torch.from_numpy(want))
+    assert load_block_weights(tmp_path / "small.gguf", None, sixteen_bit=False) == {}  # type: ignore[arg-type]
 
 
 def test_a_bfloat16_linear_multiplies_on_itself_with_self_blocks(kernel: BlockLinear) -> None:
