@@ -10,6 +10,7 @@ from scheduler.curve import faces_network
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+DENSE_WEIGHTS = ("auto", "keep", "drop")
 
 
 class WorkerConfigError(ConfigError):
@@ -35,6 +36,7 @@ class WorkerConfig:
     cuda_graph_max_batch: int = 256
     small_batch_linear: bool = True
     block_linear: bool = True
+    dense_weights: str = "auto"
     cpu_vector_bits: int = 512
     seed: int = 0
     zmq_curve_worker_secret: str = ""
@@ -51,6 +53,12 @@ class WorkerConfig:
             "--attention-backend",
             self.attention_backend,
             ", ".join(ATTENTION_BACKENDS),
+        )
+        _check(
+            self.dense_weights in DENSE_WEIGHTS,
+            "--dense-weights",
+            self.dense_weights,
+            ", ".join(DENSE_WEIGHTS),
         )
         _check(
             0.0 <= self.kv_cache_memory <= 0.95,

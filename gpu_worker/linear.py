@@ -13,7 +13,9 @@ step: on an AVX2-only 2-core AMD EPYC (Zen 3) it multiplied 1.5-4.3x faster than
 Linears keep their weights as the model's files store them (a GGUF file's blocks, 16-bit floats)
 where `blocks_take` says so (float32 on the CPU, and bfloat16 on CPUs that cannot multiply
 bfloat16), and multiply on them: see kernels/cpu_block_linear.py. In bfloat16 there, a weight
-without quantized blocks multiplies on itself.
+without quantized blocks multiplies on itself. A weight the worker never read from the files (a
+shape on the "meta" device) multiplies on its blocks at every step: a float32 server then holds
+the blocks alone, not float32 and oneDNN-packed copies beside them.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class Linear:
     `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take`), steps
     take the block kernel where it loads: in float32 those of up to BLOCK_MAX_ROWS rows, in
     bfloat16 all of them. With `self_blocks`, a bfloat16 weight without quantized blocks is its
-    own blocks (the same values, no copy).
+    own blocks (the same values, no copy). A `weight` on the "meta" device (a shape, not read)
+    needs `blocks`, which then take every step (`blocks_only`).
     """
 
     def __init__(
@@ -154,6 +157,11 @@ class Linear:
         blocks: BlockWeight | None = None,
         self_blocks: bool = False,
     ) -> None:
+        # A weight on the "meta" device is a shape only (never read from the files): the blocks
+        # take every step.
+        self.blocks_only = weight.is_meta
+        device = torch.device("cpu") if self.blocks_only else weight.device
+        packed = packed and not self.blocks_only
         self.weight = weight
         self.bias = bias
         self.packed = packed
@@ -165,6 +173,7 @@ class Linear:
         self._block: BlockLinear | None = None
         if (
             self_blocks
+            and not self.blocks_only
             and weight.dtype == torch.bfloat16
             and (blocks is None or blocks.type == BF16)
             and weight.dim() == 2
@@ -172,18 +181,24 @@ class Linear:
             and weight.is_contiguous()
         ):
             blocks = BlockWeight.dense(weight.detach())
-        if blocks is not None and blocks_take(weight.dtype, weight.device):
+        if blocks is not None and blocks_take(weight.dtype, device):
             if (blocks.n, blocks.k) != tuple(weight.shape):
                 raise ValueError(
                     f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one"
                 )
             self._block = block_kernel()
             self.blocks = blocks if self._block is not None else None
+        if self.blocks_only and self.blocks is None:
+            raise ValueError(
+                f"a {list(weight.shape)} weight held as a shape only needs blocks and the block kernel"
+            )
 
     def _pack_for_onednn(self) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks_only and x.stride(-1) != 1:
+            x = x.contiguous()
         if self.takes_block_kernel(x):
             assert self._block is not None and self.blocks is not None
             return self._block(x, self.blocks, self._plain_bias)
@@ -194,6 +209,8 @@ class Linear:
     def takes_block_kernel(self, x: torch.Tensor) -> bool:
         """True when a step of x's rows runs on the block kernel."""
         rows = x.shape[0]
+        if self.blocks_only:
+            return True
         capped = self.weight.dtype == torch.float32  # in bfloat16 the blocks take every size
         return (
             self.blocks is not None
@@ -240,11 +257,11 @@ class GateUpLinear(Linear):
     ) -> None:
         super().__init__(weight, None, packed, pair, blocks, self_blocks)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
-        self.post_ops = packed and onednn_post_ops_available(weight.dtype)
+        self.post_ops = self.packed and onednn_post_ops_available(weight.dtype)
         half = weight.shape[0] // 2
         self._gate: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
-        if packed:
+        if self.packed:
             self._gate = torch.ops.mkldnn._reorder_linear_weight(
                 weight[:half].contiguous(), PACKING_BATCH_HINT
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,15 +70,20 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def load_model(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a .gguf file or an HF directory; tensors are float32 with HF Llama names, validated."""
+def load_model(
+    path: str | Path, shape_only: Collection[str] = ()
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load a .gguf file or an HF directory; tensors are float32 with HF Llama names, validated.
+    The tensors named in `shape_only` are not read: they come back as float32 tensors on the
+    "meta" device, their shapes checked (for weights the caller multiplies as the files store them,
+    `load_block_weights`)."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
-        config, tensors = _load_hf_directory(path)
+        config, tensors = _load_hf_directory(path, shape_only)
     elif path.suffix == ".gguf":
-        config, tensors = _load_gguf(path)
+        config, tensors = _load_gguf(path, shape_only)
     else:
         raise ModelLoadError(f"model path {path} is neither a .gguf file nor a directory with config.json")
     return config, validate_state_dict(config, tensors, path)
@@ -138,7 +143,7 @@ def validate_state_dict(
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
             )
-        if not torch.isfinite(tensor).all():
+        if not tensor.is_meta and not torch.isfinite(tensor).all():
             raise ModelLoadError(f"{source}: tensor {name!r} contains NaN or infinite values")
         out[name] = tensor
     return out
@@ -155,7 +160,7 @@ def _gguf_reader(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, shape_only: Collection[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = _gguf_reader(path)
@@ -169,14 +174,17 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                     f"{path}: tensor 'rope_freqs.weight' (per-frequency rope factors) is unsupported"
                 )
             continue
+        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if hf_name in shape_only:
+            tensors[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
+            continue
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{path}: tensor {t.name!r} has unsupported type {t.tensor_type.name}"
             ) from exc
-        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-        shape = tuple(int(d) for d in reversed(t.shape))
         array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
         if not array.flags.writeable:  # F32 tensors come back as views of the memory-mapped file
             array = array.copy()
@@ -345,12 +353,14 @@ def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int, head_dim: int) 
 # Hugging Face directory
 
 
-def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_hf_directory(
+    path: Path, shape_only: Collection[str]
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config_file = path / "config.json"
     config = _hf_config(config_file, _read_json(config_file), default_name=path.name)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
-        for name, tensor in _read_safetensors(file):
+        for name, tensor in _read_safetensors(file, shape_only=shape_only):
             if name in tensors:
                 raise ModelLoadError(f"{file}: tensor {name!r} is also stored in another file of {path}")
             tensors[name] = tensor
@@ -472,13 +482,20 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(file: Path, as_stored: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors, in float32 or (`as_stored`) in the file's dtypes."""
+def _read_safetensors(
+    file: Path, as_stored: bool = False, shape_only: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors, in float32 or (`as_stored`) in the file's dtypes; those in `shape_only`
+    unread, as float32 tensors of their shapes on the "meta" device."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in shape_only:
+                    shape = handle.get_slice(name).get_shape()
+                    yield name, torch.empty(shape, dtype=torch.float32, device="meta")
+                    continue
                 tensor = handle.get_tensor(name)
                 yield name, tensor if as_stored else tensor.to(torch.float32)
     except (SafetensorError, OSError) as exc:

@@ -268,28 +268,42 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
         (from `load_block_weights`, the same files'; None: no block kernel) lets CPU linears take the
         block kernel where `blocks_take` (gpu_worker/linear.py) says so; in bfloat16 there, every
-        linear without quantized blocks multiplies on its own weight on it."""
+        linear without quantized blocks multiplies on its own weight on it. Weights left unread
+        (`load_model`'s `shape_only`, chosen from `blocks_only_weights`) are held as shapes only
+        and their linears multiply on the blocks at every step."""
 
         def take(name: str) -> torch.Tensor:
             assert name in state_dict, f"weight {name!r} missing from the state dict"
             return state_dict[name]
 
-        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
+        def fill(module: nn.Module, attr: str, names: Sequence[str]) -> None:
+            """Copy the named tensors, stacked by rows, into the parameter; tensors left unread
+            (on the "meta" device) leave it a shape without storage."""
+            parts = [take(name) for name in names]
+            if any(part.is_meta for part in parts):
+                if not all(part.is_meta for part in parts):
+                    raise ValueError(f"weights {list(names)} were read only in part")
+                old = getattr(module, attr)
+                setattr(module, attr, _empty_param(tuple(old.shape), old.dtype, torch.device("meta")))
+                return
+            getattr(module, attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+
+        if take("model.embed_tokens.weight").is_meta:
+            raise ValueError("model.embed_tokens.weight must be read: the embedding looks its rows up")
+        fill(self, "embed_tokens", ["model.embed_tokens.weight"])
         self.norm.weight.copy_(take("model.norm.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.copy_(take("lm_head.weight"))
+            fill(self, "lm_head", ["lm_head.weight"])
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
-            attn = ("q_proj", "k_proj", "v_proj")
-            layer.qkv_weight.copy_(torch.cat([take(f"{p}self_attn.{n}.weight") for n in attn]))
+            qkv, o, gate_up, down = _layer_weight_names(p)
+            fill(layer, "qkv_weight", qkv)
             if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([take(f"{p}self_attn.{n}.bias") for n in attn]))
-            layer.o_weight.copy_(take(p + "self_attn.o_proj.weight"))
-            layer.gate_up_weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            )
-            layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.qkv_bias.copy_(torch.cat([take(name.replace(".weight", ".bias")) for name in qkv]))
+            fill(layer, "o_weight", o)
+            fill(layer, "gate_up_weight", gate_up)
+            fill(layer, "down_weight", down)
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
         # Packed copies are taken of the loaded values, so this comes last.
@@ -472,19 +486,42 @@ def _block_weights(*linears: Linear) -> tuple[BlockWeight, ...] | None:
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
 
 
+def _layer_weight_names(prefix: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The Hugging Face names of one layer's qkv, o, gate/up and down weights, in the order they
+    are stacked by rows."""
+    return (
+        [prefix + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v")],
+        [prefix + "self_attn.o_proj.weight"],
+        [prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight"],
+        [prefix + "mlp.down_proj.weight"],
+    )
+
+
+def _stacked_blocks(blocks: Mapping[str, BlockWeight], names: Sequence[str]) -> BlockWeight | None:
+    """The named weights' blocks stacked by rows, or None unless all have blocks of one type."""
+    parts = [blocks.get(name) for name in names]
+    present = [p for p in parts if p is not None]
+    return concat_rows(present) if len(present) == len(parts) else None
+
+
 def _layer_blocks(blocks: Mapping[str, BlockWeight], prefix: str) -> LayerBlocks | None:
     """One layer's blocks, fused as its parameters are (q/k/v and gate/up stacked by rows)."""
     if not blocks:
         return None
+    qkv, o, gate_up, down = (_stacked_blocks(blocks, names) for names in _layer_weight_names(prefix))
+    return qkv, o, gate_up, down
 
-    def stacked(names: Sequence[str]) -> BlockWeight | None:
-        parts = [blocks.get(prefix + name) for name in names]
-        present = [p for p in parts if p is not None]
-        return concat_rows(present) if len(present) == len(parts) else None
 
-    return (
-        stacked(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-        blocks.get(prefix + "self_attn.o_proj.weight"),
-        stacked(["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
-        blocks.get(prefix + "mlp.down_proj.weight"),
-    )
+def blocks_only_weights(config: ModelConfig, blocks: Mapping[str, BlockWeight]) -> set[str]:
+    """The weights whose linears can multiply on `blocks` alone (see `load_weights`): each layer's
+    q/k/v, o, gate/up and down where all of a fused linear's parts have blocks of one type, and an
+    untied LM head with blocks. A tied head's blocks are the embedding's, whose rows are looked up,
+    so it is left out."""
+    found: set[str] = set()
+    for i in range(config.num_layers):
+        for names in _layer_weight_names(f"model.layers.{i}."):
+            if _stacked_blocks(blocks, names) is not None:
+                found.update(names)
+    if not config.tie_word_embeddings and "lm_head.weight" in blocks:
+        found.add("lm_head.weight")
+    return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import threading
 import time
@@ -26,12 +27,13 @@ from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, blocks_take, cpu_multiplies_bfloat16, pair_kernel
-from gpu_worker.loader import ModelConfig, load_block_weights, load_model
-from gpu_worker.model import LlamaModel
+from gpu_worker.loader import ModelConfig, expected_shapes, load_block_weights, load_config, load_model
+from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
+from kernels.cpu_block_linear import BlockWeight
 from kernels.cpu_build import AMX
 from kernels.cpu_decode import VECTOR_PATHS, KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
@@ -77,6 +79,44 @@ def free_memory_bytes(device: torch.device) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+# --dense-weights auto keeps float32 copies of weights that have blocks while they (and oneDNN's
+# packed copies of them) take at most this share of the memory free at start.
+DENSE_COPIES_SHARE = 0.25
+
+
+def choose_blocks_only(
+    setting: str,
+    dtype: torch.dtype,
+    model_config: ModelConfig,
+    blocks: dict[str, BlockWeight],
+    device: torch.device,
+) -> set[str]:
+    """The weights to hold as their blocks alone, not read as dense tensors (--dense-weights).
+    `keep`: none. `drop`: every weight whose linear can multiply on blocks alone. `auto`: those
+    in bfloat16 (where the blocks take every step, so dense copies would go unused); in float32
+    (where dense copies take steps of more than BLOCK_MAX_ROWS rows, a few percent faster there),
+    those too once their float32 and packed copies would take more than DENSE_COPIES_SHARE of
+    the memory free now."""
+    names = blocks_only_weights(model_config, blocks)
+    if setting == "keep" or not names:
+        return set()
+    if setting == "drop" or dtype != torch.float32:
+        return names
+    shapes = expected_shapes(model_config)
+    dense_bytes = 2 * 4 * sum(math.prod(shapes[name]) for name in names)
+    free = free_memory_bytes(device)
+    if dense_bytes <= DENSE_COPIES_SHARE * free:
+        return set()
+    log.info(
+        "--dense-weights auto: float32 and packed copies of %d weights would take %.0f MB of %.0f MB "
+        "free; the blocks take every step instead",
+        len(names),
+        dense_bytes / 1e6,
+        free / 1e6,
+    )
+    return names
 
 
 def plan_num_blocks(
@@ -309,22 +349,30 @@ def _run(config: WorkerConfig) -> int:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     started = time.perf_counter()
-    model_config, weights = load_model(config.model)
-    model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
-    takes_blocks = config.block_linear and blocks_take(dtype, device)
+    takes_blocks = config.block_linear and blocks_take(dtype, device) and block_kernel() is not None
     blocks = None
+    shape_only: set[str] = set()
     if takes_blocks:  # in bfloat16, 16-bit weights multiply on the model's own copies of them
+        model_config = load_config(config.model)
         blocks = load_block_weights(config.model, model_config, sixteen_bit=dtype != torch.bfloat16)
+        shape_only = choose_blocks_only(config.dense_weights, dtype, model_config, blocks, device)
+    model_config, weights = load_model(config.model, shape_only)
+    model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
     model.load_weights(weights, blocks)
     del weights
     if takes_blocks:
-        types = Counter(lin.blocks.type_name for lin in model.linears() if lin.blocks is not None)
+        linears = model.linears()
+        types = Counter(lin.blocks.type_name for lin in linears if lin.blocks is not None)
+        only = sum(lin.blocks_only for lin in linears)
         log.info(
-            "%d of %d linears take the block kernel for steps of %s rows (%s)",
+            "%d of %d linears take the block kernel for steps of %s rows (%s); %d of them hold no "
+            "dense copy and take it at every step (--dense-weights %s)",
             model.block_linears,
-            4 * model_config.num_layers + 1,
+            len(linears),
             f"up to {BLOCK_MAX_ROWS}" if dtype == torch.float32 else "any number of",
             ", ".join(f"{count} {name}" for name, count in sorted(types.items())) or "no blocks",
+            only,
+            config.dense_weights,
         )
     log.info(
         "loaded %s (%s, %s) in %.1f s",

@@ -158,11 +158,13 @@ class BoundStack:
             tensor = getattr(layer, name)
             if tensor is None:
                 continue
+            # The block stack reads only the shapes of the plain weights: they may be shapes alone.
+            shape_only = self.stack.blocks and name.endswith("_weight") and tensor.is_meta
             require(
                 tuple(tensor.shape) == shape
                 and tensor.dtype == self.dtype
                 and tensor.is_contiguous()
-                and tensor.device.type == "cpu",
+                and (tensor.device.type == "cpu" or shape_only),
                 f"layers[{index}].{name}",
                 tensor,
                 f"a contiguous {dtype_name} CPU tensor of shape {shape}",

@@ -182,6 +182,16 @@ WORKER_FLAGS = (
         "without quantized blocks multiplies on its own bfloat16 copy)",
     ),
     Flag(
+        "--dense-weights",
+        str,
+        "auto",
+        "CPU, with --block-linear: keep dense copies of the weights that have blocks (keep: in "
+        "float32 they and oneDNN's packed copies take steps of more than 256 rows, a few percent "
+        "faster there), hold the blocks alone and multiply on them at every step (drop: memory "
+        "about the file's size), or (auto) drop them in bfloat16, where the blocks take every "
+        "step anyway, and in float32 once the copies would take more than a quarter of the free memory",
+    ),
+    Flag(
         "--cpu-vector-bits",
         int,
         512,

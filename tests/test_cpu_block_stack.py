@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_worker import worker
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import block_kernel, cpu_multiplies_bfloat16
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
-from gpu_worker.model import LlamaModel
+from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.worker import make_attention
-from kernels.cpu_block_linear import BF16, BlockWeight
+from kernels.cpu_block_linear import BF16, BlockLinear, BlockWeight
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
@@ -233,3 +234,123 @@ def test_bind_names_the_blocks_it_cannot_take(
     bfloat16 = replace(stack_layers[0], o_weight=stack_layers[0].o_weight.bfloat16())
     with pytest.raises(ValueError, match=r"layers\[0\]\.o_weight"):
         attention.decode_stack.bind([bfloat16], config.rms_norm_eps)
+
+
+def shapes_only(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """The model as the worker loads it with --dense-weights drop: the weights that can multiply
+    on blocks alone unread (shapes on the "meta" device), as load_model's `shape_only` gives them."""
+    config, weights, blocks = smollm2
+    names = blocks_only_weights(config, blocks)
+    unread = {
+        name: torch.empty(w.shape, device="meta") if name in names else w for name, w in weights.items()
+    }
+    return config, unread, blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [3, BLOCK_STACK_MAX_ROWS + 1])  # through the stack, op by op
+def test_weights_held_as_blocks_alone_decode_as_with_their_dense_copies(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode-sized steps take the blocks with or without dense copies: the same bits, the same
+    KV cache. The tied LM head keeps its dense copy, the embedding's."""
+    config = smollm2[0]
+    counting = CountingRuns(monkeypatch)
+    alone = block_model(shapes_only(smollm2), stack=True, dtype=dtype)
+    assert [lin.blocks_only for lin in alone.linears()] == [False] + [True] * (4 * config.num_layers)
+    assert all(layer.qkv_weight.is_meta and layer.down_weight.is_meta for layer in alone.layers)
+    assert not alone.embed_tokens.is_meta and alone.lm_head is alone.embed_tokens
+    with_copies = block_model(smollm2, stack=True, dtype=dtype)
+    caches = filled_cache(config, dtype), filled_cache(config, dtype)
+    batch = decode_batch(rows)
+    assert torch.equal(alone(batch, caches[0]), with_copies(batch, caches[1]))
+    assert counting.runs == (2 if rows <= BLOCK_STACK_MAX_ROWS else 0)
+    for (k_a, v_a), (k_b, v_b) in zip(*caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def prefill_batch(tokens: int) -> Any:
+    """One prompt of `tokens` tokens from the start, a step of more rows than BLOCK_MAX_ROWS."""
+    blocks = (tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    ids = [(7 * i) % 4000 + 3 for i in range(tokens)]
+    return build_forward_batch([ScheduledChunk(ids, 0, list(range(blocks)), True)], BLOCK_SIZE, CPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_held_as_blocks_alone_prefill_on_the_blocks(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 300-token prefill step: without dense copies every linear but the tied head multiplies
+    on its blocks. In bfloat16 the dense model takes them too (the same bits); in float32 it takes
+    oneDNN on the float32 copies, the same products summed in another order."""
+    config = smollm2[0]
+    tokens = BLOCK_MAX_ROWS + 44
+    alone = block_model(shapes_only(smollm2), stack=True, dtype=dtype)
+    with_copies = block_model(smollm2, stack=True, dtype=dtype)
+    multiplied: list[int] = []
+    real_call = BlockLinear.__call__
+
+    def counting_call(self: BlockLinear, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        multiplied.append(x.shape[0])
+        return real_call(self, x, *args)
+
+    monkeypatch.setattr(BlockLinear, "__call__", counting_call)
+    batch = prefill_batch(tokens)
+    cache_size = (tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+    caches = [allocate_kv_cache(config, cache_size, BLOCK_SIZE, dtype, CPU) for _ in range(2)]
+    got = alone(batch, caches[0])
+    assert multiplied.count(tokens) == 4 * config.num_layers
+    want = with_copies(batch, caches[1])
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        # 30 layers' sums in other orders: the logits (up to 28) came out up to 5e-5 apart.
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_a_weight_held_as_a_shape_needs_blocks(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> None:
+    config, unread, _ = shapes_only(smollm2)
+    model = LlamaModel(config, torch.float32, CPU)
+    with pytest.raises(ValueError, match="held as a shape only needs blocks"):
+        model.load_weights(unread, None)
+    part = dict(smollm2[1])
+    part["model.layers.0.self_attn.k_proj.weight"] = torch.empty(
+        part["model.layers.0.self_attn.k_proj.weight"].shape, device="meta"
+    )
+    with pytest.raises(ValueError, match="read only in part"):
+        LlamaModel(config, torch.float32, CPU).load_weights(part, smollm2[2])
+    part = dict(smollm2[1])
+    part["model.embed_tokens.weight"] = torch.empty(part["model.embed_tokens.weight"].shape, device="meta")
+    with pytest.raises(ValueError, match=r"model\.embed_tokens\.weight must be read"):
+        LlamaModel(config, torch.float32, CPU).load_weights(part, smollm2[2])
+
+
+def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--dense-weights: keep holds every dense copy; drop none where blocks can serve; auto drops
+    them in bfloat16 (the blocks take every step there) and in float32 only when the float32 and
+    packed copies would take more than a quarter of the free memory."""
+    config, _, blocks = smollm2
+    every = blocks_only_weights(config, blocks)
+    assert len(every) == 7 * config.num_layers  # q, k, v, o, gate, up, down; not the tied head
+    choose = worker.choose_blocks_only
+    assert choose("keep", torch.float32, config, blocks, CPU) == set()
+    assert choose("drop", torch.float32, config, blocks, CPU) == every
+    assert choose("auto", torch.bfloat16, config, blocks, CPU) == every
+    assert choose("auto", torch.float32, config, {}, CPU) == set()
+    dense_bytes = 8 * sum(weight.numel() for name, weight in smollm2[1].items() if name in every)
+    monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes)
+    assert choose("auto", torch.float32, config, blocks, CPU) == set()
+    monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes - 1)
+    assert choose("auto", torch.float32, config, blocks, CPU) == every

@@ -69,6 +69,21 @@ def test_hf_directory_loads_every_tensor(tmp_path: Path, shards: int) -> None:
         torch.testing.assert_close(tensor, written[name].to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
+def test_hf_directory_leaves_shape_only_tensors_unread(tmp_path: Path) -> None:
+    written = _write_hf_dir(tmp_path, shards=3)
+    unread = {"model.layers.1.mlp.down_proj.weight", "lm_head.weight"}
+    _, tensors = load_model(tmp_path, shape_only=unread)
+    assert set(tensors) == set(written)
+    for name, tensor in tensors.items():
+        assert tensor.is_meta == (name in unread) and tensor.shape == written[name].shape
+        if name not in unread:
+            torch.testing.assert_close(tensor, written[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+    (tmp_path / "short").mkdir()
+    _write_hf_dir(tmp_path / "short", drop="lm_head.weight")  # one missing is still named
+    with pytest.raises(ModelLoadError, match=r"'lm_head\.weight' is missing"):
+        load_model(tmp_path / "short", shape_only=unread)
+
+
 def test_hf_directory_missing_tensor_is_named(tmp_path: Path) -> None:
     _write_hf_dir(tmp_path, drop="model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
@@ -139,6 +154,11 @@ def test_default_gguf_tensors() -> None:
     assert {name: tuple(t.shape) for name, t in tensors.items()} == expected_shapes(config)
     assert all(t.dtype == torch.float32 for t in tensors.values())
     assert "lm_head.weight" not in tensors
+    unread = {"model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.gate_proj.weight"}
+    _, some = load_model(find_default_model(), shape_only=unread)
+    assert {name for name, t in some.items() if t.is_meta} == unread
+    assert all(torch.equal(t, tensors[name]) for name, t in some.items() if name not in unread)
+    assert all(some[name].shape == tensors[name].shape for name in unread)
 
 
 def test_kv_cache_layout() -> None:

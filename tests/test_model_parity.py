@@ -13,10 +13,11 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.linear import block_kernel, cpu_multiplies_bfloat16
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
-from gpu_worker.model import LlamaModel
+from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.worker import make_attention
+from kernels.cpu_block_linear import BlockLinear
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 
@@ -75,6 +76,7 @@ class PagedHarness:
         seed: int,
         token_budget: int = 48,
         shares: dict[int, tuple[int, int]] | None = None,
+        max_chunk: int = 13,
     ) -> list[list[int]]:
         rng = random.Random(seed)
         seqs = [_Sequence(list(p), len(p), (shares or {}).get(i)) for i, p in enumerate(prompts)]
@@ -84,7 +86,7 @@ class PagedHarness:
             active = [s for s in seqs if not s.done and (s.started or self._start(seqs, s))]
             active.sort(key=lambda s: len(s.tokens) - s.computed != 1)
             for seq in active:
-                take = min(len(seq.tokens) - seq.computed, rng.randint(1, 13), budget)
+                take = min(len(seq.tokens) - seq.computed, rng.randint(1, max_chunk), budget)
                 if take <= 0:
                     continue
                 budget -= take
@@ -336,6 +338,40 @@ def test_smollm2_long_context_decode_matches_transformers(
 
 
 @pytest.mark.slow
+def test_smollm2_on_blocks_alone_matches_transformers(
+    smollm2: tuple[Path, ModelConfig, LlamaModel],
+    smollm2_on_cpu_in_transformers: tuple[Any, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32 with --dense-weights drop: the layers' weights never read as float32, every step on
+    the file's blocks, prefill chunks of up to 512 tokens included (past BLOCK_MAX_ROWS)."""
+    path, config, _ = smollm2
+    if block_kernel() is None:
+        pytest.skip("the block kernel does not build here (it needs AVX2, FMA and F16C)")
+    blocks = load_block_weights(path, config)
+    _, weights = load_model(path, shape_only=blocks_only_weights(config, blocks))
+    model = LlamaModel(config, torch.float32, "cpu")
+    model.load_weights(weights, blocks)
+    assert sum(lin.blocks_only for lin in model.linears()) == 4 * config.num_layers
+    use_backend(model, config, "cpu", block_size=16)
+    rows: list[int] = []
+    multiply = BlockLinear.__call__
+    monkeypatch.setattr(BlockLinear, "__call__", lambda *a: rows.append(a[1].shape[0]) or multiply(*a))
+    texts = [LONG_TEXT + " On which day did the cook first serve rice?", CHAT_PROMPTS[1]]
+    check_smollm2_against_transformers(
+        smollm2_on_cpu_in_transformers,
+        config,
+        model,
+        texts,
+        16,
+        num_blocks=96,
+        token_budget=512,
+        max_chunk=512,
+    )
+    assert max(rows) > BLOCK_MAX_ROWS
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(
     cpu_multiplies_bfloat16() or not all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")),
     reason="bfloat16 takes the GGUF blocks only on AVX2 CPUs that cannot multiply bfloat16",
@@ -401,6 +437,8 @@ def check_smollm2_against_transformers(
     texts: list[str] = CHAT_PROMPTS,
     max_new: int = 32,
     num_blocks: int = 64,
+    token_budget: int = 64,
+    max_chunk: int = 13,
 ) -> None:
     tokenizer, hf_model = reference
     prompts = [
@@ -417,5 +455,5 @@ def check_smollm2_against_transformers(
     with torch.inference_mode():
         expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
     harness = PagedHarness(model, config, block_size=16, num_blocks=num_blocks)
-    ours = harness.generate(prompts, max_new, seed=0, token_budget=64)
+    ours = harness.generate(prompts, max_new, seed=0, token_budget=token_budget, max_chunk=max_chunk)
     assert ours == expected, [tokenizer.decode(t) for t in ours + expected]

@@ -129,3 +129,33 @@ def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloa
     if block_kernel() is not None:
         assert "9 of 9 linears take the block kernel for steps of up to 256 rows (9 BF16)" in server.log()
     assert served == reference(tiny_bfloat16_dir, prompts)
+
+
+def test_bfloat16_directory_on_its_tensors_alone(tiny_bfloat16_dir: Path) -> None:
+    """--dense-weights drop: a float32 server never reads the linears' float32 copies; every step,
+    a 300-token prefill included, multiplies the file's bfloat16 tensors. Greedy output still
+    equals transformers' float32 on the same weights."""
+    server = start_server(
+        "--model",
+        str(tiny_bfloat16_dir),
+        "--dtype",
+        "float32",
+        "--dense-weights",
+        "drop",
+        "--metrics-port",
+        "0",
+    )
+    try:
+        with Client(server.target) as client:
+            prompts = [client.tokenize("Long question: " + "and why " * 150), client.tokenize("Short one?")]
+            served = [
+                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+                for p in prompts
+            ]
+    finally:
+        assert server.stop() == 0
+    assert len(prompts[0]) > 256
+    if block_kernel() is not None:
+        assert "9 of 9 linears take the block kernel" in server.log()
+        assert "9 of them hold no dense copy and take it at every step (--dense-weights drop)" in server.log()
+    assert served == reference(tiny_bfloat16_dir, prompts)

@@ -59,6 +59,7 @@ def test_worker_config_checks_its_flags() -> None:
         ("--sbo-switch-interval-ms", "0"),
         ("--sbo-switch-interval-ms", "101"),
         ("--cpu-vector-bits", "128"),
+        ("--dense-weights", "some"),
     ):
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
@@ -68,6 +69,8 @@ def test_worker_config_checks_its_flags() -> None:
     assert worker_config(parse([*base, "--sbo-switch-interval-ms", "5"])).sbo_switch_interval_ms == 5.0
     assert config.cpu_vector_bits == 512
     assert worker_config(parse([*base, "--cpu-vector-bits", "256"])).cpu_vector_bits == 256
+    assert config.dense_weights == "auto"
+    assert worker_config(parse([*base, "--dense-weights", "drop"])).dense_weights == "drop"
 
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
@@ -88,6 +91,8 @@ def test_serve_passes_every_flag_through_to_its_children() -> None:
             "--no-cuda-graphs",
             "--cpu-vector-bits",
             "0",
+            "--dense-weights",
+            "keep",
         ]
     )
     scheduler = scheduler_config(args)
