@@ -222,11 +222,39 @@ def _log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchedServer:
+    target: str
+    metrics_url: str | None
+    pid: int  # `duoserve serve`, the parent of its scheduler and workers
+
+
+def worker_memory_mb(server_pid: int) -> dict[str, float]:
+    """Resident memory of the server's workers, now and at their peak (VmRSS, VmHWM), in MB."""
+    found: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            status = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or one that just exited
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent != server_pid or not title.startswith("duoserve: worker"):
+            continue
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                name = "rss_mb" if key == "VmRSS" else "peak_rss_mb"
+                found[name] = found.get(name, 0.0) + int(value.split()[0]) / 1024
+    return found
+
+
 @contextlib.contextmanager
 def launched_server(
     config: ServerConfig, args: argparse.Namespace, log_dir: Path
-) -> Iterator[tuple[str, str | None]]:
-    """Start ``duoserve serve`` with this config, wait for SERVING, yield (target, metrics URL), then SIGTERM it."""
+) -> Iterator[LaunchedServer]:
+    """Start ``duoserve serve`` with this config, wait for SERVING, yield it, then SIGTERM it."""
     duoserve = Path(sys.executable).parent / "duoserve"
     port = free_port()
     command = [str(duoserve), "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port)]
@@ -256,7 +284,7 @@ def launched_server(
                         raise RuntimeError(
                             f"server not SERVING after {args.startup_timeout:g} s:\n{_log_tail(log_path)}"
                         ) from None
-        yield target, metrics_url
+        yield LaunchedServer(target, metrics_url, process.pid)
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -319,8 +347,10 @@ def bench_server(
     workloads: dict[str, list[list[int]]],
     specs: dict[str, WorkloadSpec],
     metrics_url: str | None = None,
+    server_pid: int | None = None,
 ) -> tuple[list[RunSummary], dict[str, Any], dict[str, list[list[int]]]]:
-    """Every workload x mode against one server; also its ModelInfo and the offline outputs."""
+    """Every workload x mode against one server; also its ModelInfo (with the workers' resident
+    memory after the runs, for a server launched here) and the offline outputs."""
     with Client(target) as client:
         info = dataclasses.asdict(client.list_models()[0])
         if args.warmup:
@@ -339,6 +369,9 @@ def bench_server(
             summaries[-1].extra["worker_seconds"] = print_worker_split(before, worker_seconds(metrics_url))
             if rate is None:
                 outputs[name] = [r.token_ids for r in results]
+    if server_pid is not None:
+        info["worker_memory"] = worker_memory_mb(server_pid)
+        print(f"#   {label} worker memory: {info['worker_memory']}", flush=True)
     return summaries, info, outputs
 
 
@@ -621,12 +654,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_header()
     for config in [] if args.transformers_only or args.rounds > 1 else configs:
         with contextlib.ExitStack() as stack:
-            if args.server:
-                target, metrics_url = args.server, args.metrics_url
-            else:
-                target, metrics_url = stack.enter_context(launched_server(config, args, log_dir))
+            target, metrics_url, pid = args.server, args.metrics_url, None
+            if not args.server:
+                launched = stack.enter_context(launched_server(config, args, log_dir))
+                target, metrics_url, pid = launched.target, launched.metrics_url, launched.pid
             label = f"server={args.server}" if args.server else config.label
-            runs, info, served_outputs = bench_server(target, label, args, workloads, specs, metrics_url)
+            runs, info, served_outputs = bench_server(target, label, args, workloads, specs, metrics_url, pid)
         summaries += runs
         keep(label, info, served_outputs)
         if args.server:
@@ -639,10 +672,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prompts_of_round = workloads if round_index == 0 else prompts_of_seed(args.seed + round_index)
                 order = list(range(len(configs)))
                 for index in order if round_index % 2 == 0 else order[::-1]:
-                    target, metrics_url = servers[index]
+                    server = servers[index]
                     print(f"# round {round_index + 1} of {args.rounds}: {configs[index].label}", flush=True)
                     runs, info, served_outputs = bench_server(
-                        target, configs[index].label, args, prompts_of_round, specs, metrics_url
+                        server.target,
+                        configs[index].label,
+                        args,
+                        prompts_of_round,
+                        specs,
+                        server.metrics_url,
+                        server.pid,
                     )
                     for run in runs:
                         run.extra["round"] = round_index
