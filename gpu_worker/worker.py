@@ -26,7 +26,14 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonP
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, blocks_take, cpu_multiplies_bfloat16, pair_kernel
+from gpu_worker.linear import (
+    BLOCK_MAX_ROWS,
+    block_kernel,
+    blocks_take,
+    cpu_multiplies_bfloat16,
+    packed_linear_available,
+    pair_kernel,
+)
 from gpu_worker.loader import ModelConfig, expected_shapes, load_block_weights, load_config, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.pipeline import StepPipeline
@@ -97,15 +104,16 @@ def choose_blocks_only(
     `keep`: none. `drop`: every weight whose linear can multiply on blocks alone. `auto`: those
     in bfloat16 (where the blocks take every step, so dense copies would go unused); in float32
     (where dense copies take steps of more than BLOCK_MAX_ROWS rows, a few percent faster there),
-    those too once their float32 and packed copies would take more than DENSE_COPIES_SHARE of
-    the memory free now."""
+    those too once their float32 copies (and oneDNN's packed ones, where it runs) would take more
+    than DENSE_COPIES_SHARE of the memory free now."""
     names = blocks_only_weights(model_config, blocks)
     if setting == "keep" or not names:
         return set()
     if setting == "drop" or dtype != torch.float32:
         return names
     shapes = expected_shapes(model_config)
-    dense_bytes = 2 * 4 * sum(math.prod(shapes[name]) for name in names)
+    copies = 2 if packed_linear_available(dtype, device) else 1  # float32, and oneDNN's packing
+    dense_bytes = copies * 4 * sum(math.prod(shapes[name]) for name in names)
     free = free_memory_bytes(device)
     if dense_bytes <= DENSE_COPIES_SHARE * free:
         return set()

@@ -14,7 +14,7 @@ from gpu_worker import worker
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16, packed_linear_available
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.worker import make_attention
@@ -349,7 +349,8 @@ def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
     assert choose("drop", torch.float32, config, blocks, CPU) == every
     assert choose("auto", torch.bfloat16, config, blocks, CPU) == every
     assert choose("auto", torch.float32, config, {}, CPU) == set()
-    dense_bytes = 8 * sum(weight.numel() for name, weight in smollm2[1].items() if name in every)
+    copies = 2 if packed_linear_available(torch.float32, CPU) else 1
+    dense_bytes = copies * 4 * sum(weight.numel() for name, weight in smollm2[1].items() if name in every)
     monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes)
     assert choose("auto", torch.float32, config, blocks, CPU) == set()
     monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes - 1)
