@@ -61,6 +61,12 @@ class WorkerConfig:
             ", ".join(DENSE_WEIGHTS),
         )
         _check(
+            self.dense_weights != "drop" or self.block_linear,
+            "--dense-weights",
+            self.dense_weights,
+            "keep or auto with --no-block-linear (drop multiplies on the blocks that flag turns off)",
+        )
+        _check(
             0.0 <= self.kv_cache_memory <= 0.95,
             "--kv-cache-memory",
             self.kv_cache_memory,

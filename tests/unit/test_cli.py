@@ -71,6 +71,8 @@ def test_worker_config_checks_its_flags() -> None:
     assert worker_config(parse([*base, "--cpu-vector-bits", "256"])).cpu_vector_bits == 256
     assert config.dense_weights == "auto"
     assert worker_config(parse([*base, "--dense-weights", "drop"])).dense_weights == "drop"
+    with pytest.raises(ValueError, match=r"--dense-weights.*--no-block-linear"):
+        worker_config(parse([*base, "--dense-weights", "drop", "--no-block-linear"]))
 
 
 def test_serve_passes_every_flag_through_to_its_children() -> None:
