@@ -1,5 +1,5 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
-steps and prefill chunks: a GGUF file's blocks (Q8_0, Q4_0, Q4_1), or 16-bit floats (F16, BF16) of
+steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), or 16-bit floats (F16, BF16) of
 a GGUF file or a safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
@@ -38,9 +38,9 @@ MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linea
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
 # ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
-F16, Q4_0, Q4_1, Q8_0, BF16 = 1, 2, 3, 8, 30
-BLOCK_BYTES = {F16: 64, Q4_0: 18, Q4_1: 20, Q8_0: 34, BF16: 64}
-TYPE_NAMES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
+BLOCK_BYTES = {F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, BF16: 64}
+TYPE_NAMES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", BF16: "BF16"}
 # The 16-bit float types: their blocks are the weight's own elements.
 DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
@@ -118,12 +118,19 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
     d = raw[:, :2].copy().view(np.float16).astype(np.float32)
     if type_ == Q8_0:
         return (d * raw[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
-    quants = raw[:, 4:] if type_ == Q4_1 else raw[:, 2:]
-    nibbles = np.concatenate([quants & 0x0F, quants >> 4], axis=1).astype(np.float32)
-    if type_ == Q4_1:
+    with_min = type_ in (Q4_1, Q5_1)
+    start = 2 + 2 * with_min + 4 * (type_ in (Q5_0, Q5_1))  # after d, m and the fifth bits
+    quants = raw[:, start:]
+    values = np.concatenate([quants & 0x0F, quants >> 4], axis=1).astype(np.float32)
+    offset = 8.0
+    if type_ in (Q5_0, Q5_1):  # bit j of the little-endian uint32 before the quants: 16 on value j
+        fifth = raw[:, start - 4 : start].copy().view("<u4")
+        values += 16.0 * ((fifth >> np.arange(32, dtype=np.uint32)) & 1)
+        offset = 16.0
+    if with_min:
         m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-        return (d * nibbles + m).reshape(-1)
-    return (d * (nibbles - 8)).reshape(-1)
+        return (d * values + m).reshape(-1)
+    return (d * (values - offset)).reshape(-1)
 
 
 _lock = threading.Lock()
@@ -222,6 +229,8 @@ __all__ = [
     "MAX_ROWS",
     "Q4_0",
     "Q4_1",
+    "Q5_0",
+    "Q5_1",
     "Q8_0",
     "BlockLinear",
     "BlockWeight",

@@ -1,4 +1,4 @@
-"""The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q4_0/Q4_1 blocks and on
+"""The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks and on
 F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from kernels.cpu_block_linear import (
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     BlockLinear,
     BlockWeight,
@@ -39,6 +41,8 @@ from tests.cpu_features import cpu_has
 TYPES = {
     Q4_0: gguf.GGMLQuantizationType.Q4_0,
     Q4_1: gguf.GGMLQuantizationType.Q4_1,
+    Q5_0: gguf.GGMLQuantizationType.Q5_0,
+    Q5_1: gguf.GGMLQuantizationType.Q5_1,
     Q8_0: gguf.GGMLQuantizationType.Q8_0,
     F16: gguf.GGMLQuantizationType.F16,
     BF16: gguf.GGMLQuantizationType.BF16,
@@ -180,7 +184,7 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(6, torch.zeros(4, 44, dtype=torch.uint8), 64)  # Q5_0: not a block kernel type
+        BlockWeight(12, torch.zeros(4, 144, dtype=torch.uint8), 256)  # Q4_K: not a block kernel type
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,6 +371,28 @@ def test_smollm2_on_blocks_alone_matches_transformers(
         max_chunk=512,
     )
     assert max(rows) > BLOCK_MAX_ROWS
+
+
+@pytest.mark.slow
+def test_smollm2_in_q5_0_blocks_matches_transformers(tmp_path: Path) -> None:
+    """A small model's "K-quant" file is mostly Q5_0/Q5_1 (llama.cpp falls back to them for rows
+    not 256 long, SmolLM2's 576 among them). SmolLM2 with its layers requantized to Q5_0 by
+    bench/requantize_gguf.py: every layer linear multiplies the file's Q5_0 blocks, and greedy
+    output equals transformers float32 on the same file."""
+    path = tmp_path / "smollm2-q5_0.gguf"
+    script = Path(__file__).resolve().parent.parent / "bench" / "requantize_gguf.py"
+    subprocess.run(
+        [sys.executable, str(script), str(path), "--type", "Q5_0"], check=True, capture_output=True
+    )
+    config, weights = load_model(path)
+    blocks = load_block_weights(path, config)
+    assert {b.type_name for name, b in blocks.items() if name.startswith("model.layers.")} == {"Q5_0"}
+    model = LlamaModel(config, torch.float32, "cpu")
+    model.load_weights(weights, blocks)
+    if block_kernel() is not None:
+        assert model.block_linears == 4 * config.num_layers + 1
+    use_backend(model, config, "cpu", block_size=16)
+    check_smollm2_against_transformers(smollm2_reference(path, "cpu"), config, model, CHAT_PROMPTS[:2], 16)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q4_0, Q4_1), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
  * checkpoint's). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
@@ -9,9 +9,12 @@
  *   Q8_0: fp16 d, int8 q[32]                      w[j] = d * q[j]
  *   Q4_0: fp16 d, uint8 q[16]                     w[j] = d * (nibble[j] - 8)
  *   Q4_1: fp16 d, fp16 m, uint8 q[16]             w[j] = d * nibble[j] + m
+ *   Q5_0: fp16 d, uint32 h, uint8 q[16]           w[j] = d * (five[j] - 16)
+ *   Q5_1: fp16 d, fp16 m, uint32 h, uint8 q[16]   w[j] = d * five[j] + m
  *   F16:  fp16 h[32]                              w[j] = h[j]
  *   BF16: bf16 h[32]                              w[j] = h[j]
- * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after.
+ * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after, and
+ * five[j] is nibble[j] + 16 * (bit j of h, little-endian).
  *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits fits float32's mantissa; the
@@ -44,9 +47,9 @@
 #include "bf16.h"
 
 /* ggml's type numbers, as in the GGUF file. */
-enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
+enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the five) and B the one equal to
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the seven) and B the one equal to
  * `bf16` (0 or 1), so that each pair gets its own inlined copy of what CALL calls. BF16 weights
  * need no rounding to bfloat16, so they take B = 0 either way. */
 #define WITH_CONSTANTS(type, bf16, CALL)                                                             \
@@ -55,6 +58,8 @@ enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_BF16 = 30
         case TYPE_Q8_0: if (bf16) CALL(TYPE_Q8_0, 1); else CALL(TYPE_Q8_0, 0); break;                \
         case TYPE_Q4_1: if (bf16) CALL(TYPE_Q4_1, 1); else CALL(TYPE_Q4_1, 0); break;                \
         case TYPE_Q4_0: if (bf16) CALL(TYPE_Q4_0, 1); else CALL(TYPE_Q4_0, 0); break;                \
+        case TYPE_Q5_1: if (bf16) CALL(TYPE_Q5_1, 1); else CALL(TYPE_Q5_1, 0); break;                \
+        case TYPE_Q5_0: if (bf16) CALL(TYPE_Q5_0, 1); else CALL(TYPE_Q5_0, 0); break;                \
         case TYPE_F16: if (bf16) CALL(TYPE_F16, 1); else CALL(TYPE_F16, 0); break;                   \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
@@ -72,15 +77,37 @@ static inline float half_to_float(const uint8_t *p)
 
 static inline int known_type(int type)
 {
-    return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_F16 || type == TYPE_BF16;
+    return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
+           type == TYPE_F16 || type == TYPE_BF16;
 }
 
 /* Bytes of one block, and where its quants start. */
 static inline int64_t block_bytes(int type)
 {
-    return type == TYPE_Q8_0 ? 34 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q4_0 ? 18 : 64;
+    return type == TYPE_Q8_0   ? 34
+           : type == TYPE_Q4_1 ? 20
+           : type == TYPE_Q4_0 ? 18
+           : type == TYPE_Q5_1 ? 24
+           : type == TYPE_Q5_0 ? 22
+                               : 64;
 }
-static inline int64_t quants_at(int type) { return type == TYPE_Q4_1 ? 4 : 2; }
+static inline int64_t quants_at(int type)
+{
+    return type == TYPE_Q5_1 ? 8 : type == TYPE_Q5_0 ? 6 : type == TYPE_Q4_1 ? 4 : 2;
+}
+
+/* The fifth bits of a Q5 block's 32 weights, each as 16 or 0 in byte j of the result: bit j of the
+ * little-endian 32-bit `h` (byte j / 8 of it, bit j % 8). */
+static inline __m256i fifth_bits(const uint8_t *h)
+{
+    int32_t bits;
+    __builtin_memcpy(&bits, h, 4);
+    const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bit_of = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), byte_of);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of), bit_of);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
 
 /* v rounded to the nearest bfloat16, ties to even, as float32 (v finite). */
 static inline __m256 round_bf16(__m256 v)
@@ -91,8 +118,8 @@ static inline __m256 round_bf16(__m256 v)
     return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1), d * q - 8d (Q4_0) or
- * d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact), or the
+/* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
+ * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact), or the
  * 16-bit floats (F16, BF16) widened exactly; with
  * `bf16`, rounded on to bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
 static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
@@ -122,11 +149,17 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         }
         return;
     }
-    const __m256 add = _mm256_set1_ps(type == TYPE_Q4_1 ? half_to_float(block + 2) : -8.0f * d);
+    const int with_min = type == TYPE_Q4_1 || type == TYPE_Q5_1;
+    const __m256 add = _mm256_set1_ps(with_min ? half_to_float(block + 2) : (type == TYPE_Q5_0 ? -16.0f : -8.0f) * d);
     const __m128i packed = _mm_loadu_si128((const __m128i *)q);
     const __m128i low_mask = _mm_set1_epi8(0x0f);
-    const __m128i low = _mm_and_si128(packed, low_mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+    __m128i low = _mm_and_si128(packed, low_mask);
+    __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
+    if (type == TYPE_Q5_0 || type == TYPE_Q5_1) { /* h sits just before the quants */
+        const __m256i fifth = fifth_bits(q - 4);
+        low = _mm_or_si128(low, _mm256_castsi256_si128(fifth));
+        high = _mm_or_si128(high, _mm256_extracti128_si256(fifth, 1));
+    }
     w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
     w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
     w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
