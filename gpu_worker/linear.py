@@ -129,7 +129,11 @@ def block_kernel() -> BlockLinear | None:
         if not _block:
             try:
                 _block.append(load_block_linear())
-                log.info("block linear kernel loaded: float32 steps of up to %d rows take it", BLOCK_MAX_ROWS)
+                log.info(
+                    "block linear kernel loaded: float32 steps of up to %d rows take it, and every step "
+                    "of a linear without a dense copy (--dense-weights)",
+                    BLOCK_MAX_ROWS,
+                )
             except KernelBuildError as exc:
                 log.info("block linear kernel unavailable, float32 copies take every step: %s", exc)
                 _block.append(None)
