@@ -119,9 +119,9 @@ static inline __m256 round_bf16(__m256 v)
 }
 
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
- * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them (d * q is exact), or the
- * 16-bit floats (F16, BF16) widened exactly; with
- * `bf16`, rounded on to bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
+ * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them
+ * (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
+ * bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
 static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
     if (type == TYPE_BF16) { /* the high halves of float32s */
