@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from gpu_worker.linear import (
     packed_linear_available,
     pair_kernel,
 )
-from gpu_worker.loader import ModelConfig, expected_shapes, load_block_weights, load_config, load_model
+from gpu_worker.loader import ModelConfig, load_block_weights, load_config, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
@@ -111,9 +110,8 @@ def choose_blocks_only(
         return set()
     if setting == "drop" or dtype != torch.float32:
         return names
-    shapes = expected_shapes(model_config)
     copies = 2 if packed_linear_available(dtype, device) else 1  # float32, and oneDNN's packing
-    dense_bytes = copies * 4 * sum(math.prod(shapes[name]) for name in names)
+    dense_bytes = copies * 4 * sum(blocks[name].n * blocks[name].k for name in names)
     free = free_memory_bytes(device)
     if dense_bytes <= DENSE_COPIES_SHARE * free:
         return set()
