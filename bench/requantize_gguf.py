@@ -3,10 +3,14 @@
     .venv/bin/python bench/requantize_gguf.py OUT.gguf [--type Q5_0] [--model IN.gguf]
 
 Every metadata key and every other tensor (norms, the embedding) is copied as stored; each
-`blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`
-(Q8_0, Q5_0, Q5_1, Q4_0 or Q4_1: the types the gguf package can quantize). Small models' "K-quant"
-files are mostly such blocks: llama.cpp's quantizer falls back from Q4_K/Q5_K/Q6_K to
-Q5_0/Q5_1/Q8_0 for rows that are not a multiple of 256 long, SmolLM2-135M's 576 among them.
+`blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`:
+- Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by the gguf package;
+- Q4_K, Q5_K, Q6_K by bench/k_quants.py (the gguf package reads them but cannot write them). A
+  K-quant super-block holds 256 weights; like llama.cpp's quantizer, rows of another length
+  (SmolLM2-135M's 576) fall back to Q5_0, Q5_1 and Q8_0 respectively. So a small model's
+  "K-quant" file is mostly such blocks; SmolLM2's ffn_down rows (1536) are the K-quant ones.
+- Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
+  gives more bits (the first and last eighth of the layers, and every third one between).
 Benchmarks and tests serve the copy to compare block types on the same model.
 """
 
@@ -22,15 +26,33 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import k_quants
 from scheduler.model_files import find_default_model
 
-TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
-LAYER_MATRIX = re.compile(r"blk\.\d+\.\w+\.weight")
+TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # for rows not in 256s
+LAYER_MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-def requantize(source: Path, target: Path, type_name: str) -> None:
-    """`source` with its layer matrices in `type_name`, written to `target`."""
-    quant = gguf.GGMLQuantizationType[type_name]
+def matrix_type(type_name: str, kind: str, layer: int, layers: int, k: int) -> str:
+    """The block type of layer `layer`'s `kind` matrix (attn_q, ffn_down, ...) with rows of k weights."""
+    if type_name == "Q4_K_M":
+        more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+        type_name = "Q6_K" if kind in ("attn_v", "ffn_down") and more_bits else "Q4_K"
+    if type_name in FALLBACK and k % k_quants.SUPER:
+        return FALLBACK[type_name]
+    return type_name
+
+
+def quantize(dense: np.ndarray, type_name: str) -> np.ndarray:
+    if type_name in k_quants.BYTES:
+        return k_quants.quantize(dense, type_name)
+    return gguf.quants.quantize(dense, gguf.GGMLQuantizationType[type_name])
+
+
+def requantize(source: Path, target: Path, type_name: str) -> dict[str, int]:
+    """`source` with its layer matrices in `type_name`, written to `target`; the count of layer
+    matrices written in each type."""
     reader = gguf.GGUFReader(source)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     assert arch is not None, f"{source}: no {gguf.Keys.General.ARCHITECTURE}"
@@ -40,17 +62,26 @@ def requantize(source: Path, target: Path, type_name: str) -> None:
             continue  # the header's own counts, and the key the writer adds itself
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    layers = 1 + max((int(m[1]) for t in reader.tensors if (m := LAYER_MATRIX.fullmatch(t.name))), default=0)
+    counts: dict[str, int] = {}
     for tensor in reader.tensors:
-        if LAYER_MATRIX.fullmatch(tensor.name) and len(tensor.shape) == 2:
-            dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            blocks = gguf.quants.quantize(np.ascontiguousarray(dense, dtype=np.float32), quant)
-            writer.add_tensor(tensor.name, blocks, raw_dtype=quant)
+        matrix = LAYER_MATRIX.fullmatch(tensor.name)
+        if matrix and len(tensor.shape) == 2:
+            dense = np.ascontiguousarray(
+                gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
+            )
+            chosen = matrix_type(type_name, matrix[2], int(matrix[1]), layers, dense.shape[1])
+            counts[chosen] = counts.get(chosen, 0) + 1
+            writer.add_tensor(
+                tensor.name, quantize(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]
+            )
         else:
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return counts
 
 
 def main() -> int:
@@ -61,8 +92,9 @@ def main() -> int:
     parser.add_argument("--type", choices=TYPES, default="Q5_0", help="block type of the layer matrices")
     parser.add_argument("--model", type=Path, default=None, help="the GGUF file to copy (default: SmolLM2's)")
     args = parser.parse_args()
-    requantize(args.model or find_default_model(), args.out, args.type)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB, layer matrices in {args.type})")
+    counts = requantize(args.model or find_default_model(), args.out, args.type)
+    written = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB; layer matrices: {written})")
     return 0
 
 

@@ -1,6 +1,7 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
-steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), or 16-bit floats (F16, BF16) of
-a GGUF file or a safetensors checkpoint, in 32-weight "blocks" of their own.
+steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, and the K-quants' Q4_K, Q5_K,
+Q6_K super-blocks of 256 weights), or 16-bit floats (F16, BF16) of a GGUF file or a safetensors
+checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
@@ -37,18 +39,51 @@ from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
-# ggml's type numbers (as in a GGUF file) → bytes per block of 32 weights.
-F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
-BLOCK_BYTES = {F16: 64, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, BF16: 64}
-TYPE_NAMES = {F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", BF16: "BF16"}
+# ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (K-quants) 256.
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+BLOCK_BYTES = {
+    F16: 64,
+    Q4_0: 18,
+    Q4_1: 20,
+    Q5_0: 22,
+    Q5_1: 24,
+    Q8_0: 34,
+    Q4_K: 144,
+    Q5_K: 176,
+    Q6_K: 210,
+    BF16: 64,
+}
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
+TYPE_NAMES = {
+    F16: "F16",
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q5_1: "Q5_1",
+    Q8_0: "Q8_0",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+    BF16: "BF16",
+}
 # The 16-bit float types: their blocks are the weight's own elements.
 DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
 
 
+def block_weights(type_: int) -> int:
+    """Weights in one block of the type: 256 in a K-quant's super-block, else 32."""
+    return 256 if type_ in K_QUANTS else 32
+
+
+def row_bytes(type_: int, k: int) -> int:
+    """Bytes of a row of k weights (k in whole blocks) as blocks of the type."""
+    return k // block_weights(type_) * BLOCK_BYTES[type_]
+
+
 @dataclass(frozen=True)
 class BlockWeight:
-    """A weight [n, k] as GGUF blocks: `blocks` is uint8 [n, k / 32 * bytes per block]."""
+    """A weight [n, k] as GGUF blocks: `blocks` is uint8 [n, row_bytes(type, k)]."""
 
     type: int  # one of BLOCK_BYTES
     blocks: torch.Tensor
@@ -57,17 +92,20 @@ class BlockWeight:
     def __post_init__(self) -> None:
         if self.type not in BLOCK_BYTES:
             raise ValueError(f"type: got ggml type {self.type}, expected one of {_TYPES_LISTED}")
-        if self.k <= 0 or self.k % 32:
-            raise ValueError(f"k: got {self.k}, expected a positive multiple of 32")
+        weights = block_weights(self.type)
+        if self.k <= 0 or self.k % weights:
+            raise ValueError(
+                f"k: got {self.k}, expected a positive multiple of {weights} for {self.type_name} blocks"
+            )
         require(
             self.blocks.dim() == 2
             and self.blocks.dtype == torch.uint8
             and self.blocks.device.type == "cpu"
             and self.blocks.is_contiguous()
-            and self.blocks.shape[1] == self.k // 32 * BLOCK_BYTES[self.type],
+            and self.blocks.shape[1] == row_bytes(self.type, self.k),
             "blocks",
             self.blocks,
-            f"contiguous uint8 [n, {self.k // 32 * BLOCK_BYTES[self.type]}] on the CPU",
+            f"contiguous uint8 [n, {row_bytes(self.type, self.k)}] on the CPU",
         )
 
     @property
@@ -114,6 +152,8 @@ def concat_rows(weights: Sequence[BlockWeight]) -> BlockWeight | None:
 
 
 def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
+    if type_ in K_QUANTS:  # the gguf package's own float32 dequantization
+        return gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType(type_)).reshape(-1)
     raw = blocks.reshape(-1, BLOCK_BYTES[type_])
     d = raw[:, :2].copy().view(np.float16).astype(np.float32)
     if type_ == Q8_0:
@@ -226,15 +266,21 @@ __all__ = [
     "DENSE_TYPES",
     "DTYPES",
     "F16",
+    "K_QUANTS",
     "MAX_ROWS",
     "Q4_0",
     "Q4_1",
+    "Q4_K",
     "Q5_0",
     "Q5_1",
+    "Q5_K",
+    "Q6_K",
     "Q8_0",
     "BlockLinear",
     "BlockWeight",
     "KernelBuildError",
+    "block_weights",
     "concat_rows",
     "load_block_linear",
+    "row_bytes",
 ]

