@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_block_linear, cpu_pair_linear
-from kernels.cpu_block_linear import BF16, BlockLinear, BlockWeight, load_block_linear
+from kernels.cpu_block_linear import BF16, BlockLinear, Blocks, BlockWeight, load_block_linear
 from kernels.cpu_build import cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 
@@ -158,7 +158,7 @@ class Linear:
         bias: torch.Tensor | None,
         packed: bool,
         pair: PairLinear | None = None,
-        blocks: BlockWeight | None = None,
+        blocks: Blocks | None = None,
         self_blocks: bool = False,
     ) -> None:
         # A weight on the "meta" device is a shape only (never read from the files): the blocks
@@ -173,13 +173,13 @@ class Linear:
         self._plain_bias = None if bias is None else bias.contiguous()
         self._pair = pair if packed and pair is not None and pair.supports(weight) else None
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
-        self.blocks: BlockWeight | None = None
+        self.blocks: Blocks | None = None
         self._block: BlockLinear | None = None
         if (
             self_blocks
             and not self.blocks_only
             and weight.dtype == torch.bfloat16
-            and (blocks is None or blocks.type == BF16)
+            and (blocks is None or (isinstance(blocks, BlockWeight) and blocks.type == BF16))
             and weight.dim() == 2
             and weight.shape[1] % 32 == 0
             and weight.is_contiguous()
@@ -256,7 +256,7 @@ class GateUpLinear(Linear):
         weight: torch.Tensor,
         packed: bool,
         pair: PairLinear | None = None,
-        blocks: BlockWeight | None = None,
+        blocks: Blocks | None = None,
         self_blocks: bool = False,
     ) -> None:
         super().__init__(weight, None, packed, pair, blocks, self_blocks)

@@ -18,14 +18,14 @@ from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttentio
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import GateUpLinear, Linear, blocks_take, packed_linear_available, pair_kernel
 from gpu_worker.loader import ModelConfig
-from kernels.cpu_block_linear import BlockWeight, concat_rows
+from kernels.cpu_block_linear import Blocks, BlockWeight, concat_rows
 from kernels.cpu_pair_linear import PairLinear
 from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # A layer's blocks (as its files store the weights) for qkv, o, gate/up and down, each None where it has none.
-LayerBlocks = tuple[BlockWeight | None, BlockWeight | None, BlockWeight | None, BlockWeight | None]
+LayerBlocks = tuple[Blocks | None, Blocks | None, Blocks | None, Blocks | None]
 
 
 def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -480,7 +480,7 @@ def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
 
 
-def _block_weights(*linears: Linear) -> tuple[BlockWeight, ...] | None:
+def _block_weights(*linears: Linear) -> tuple[Blocks, ...] | None:
     """The linears' blocks, or None unless all of them have them."""
     weights = [linear.blocks for linear in linears]
     return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
@@ -497,8 +497,9 @@ def _layer_weight_names(prefix: str) -> tuple[list[str], list[str], list[str], l
     )
 
 
-def _stacked_blocks(blocks: Mapping[str, BlockWeight], names: Sequence[str]) -> BlockWeight | None:
-    """The named weights' blocks stacked by rows, or None unless all have blocks of one type."""
+def _stacked_blocks(blocks: Mapping[str, BlockWeight], names: Sequence[str]) -> Blocks | None:
+    """The named weights' blocks stacked by rows (as parts where their types differ), or None
+    unless all have blocks."""
     parts = [blocks.get(name) for name in names]
     present = [p for p in parts if p is not None]
     return concat_rows(present) if len(present) == len(parts) else None
@@ -514,7 +515,7 @@ def _layer_blocks(blocks: Mapping[str, BlockWeight], prefix: str) -> LayerBlocks
 
 def blocks_only_weights(config: ModelConfig, blocks: Mapping[str, BlockWeight]) -> set[str]:
     """The weights whose linears can multiply on `blocks` alone (see `load_weights`): each layer's
-    q/k/v, o, gate/up and down where all of a fused linear's parts have blocks of one type, and an
+    q/k/v, o, gate/up and down where all of a fused linear's parts have blocks, and an
     untied LM head with blocks. A tied head's blocks are the embedding's, whose rows are looked up,
     so it is left out."""
     found: set[str] = set()

@@ -143,11 +143,49 @@ class BlockWeight:
         return torch.from_numpy(_dequantize(self.blocks.numpy(), self.type).reshape(self.n, self.k))
 
 
-def concat_rows(weights: Sequence[BlockWeight]) -> BlockWeight | None:
-    """The weights stacked by output rows (q, k, v → qkv), or None where their types or inputs differ."""
+@dataclass(frozen=True)
+class BlockRows:
+    """A fused weight (q/k/v, gate/up) stacked by rows from parts whose blocks differ in type, as a
+    K-quant file often stores them (attn_v with more bits than attn_q and attn_k). The kernel
+    multiplies each part into its own columns of y."""
+
+    parts: tuple[BlockWeight, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or any(part.k != self.parts[0].k for part in self.parts):
+            raise ValueError("parts: expected two or more block weights of one input size k")
+
+    @property
+    def n(self) -> int:
+        return sum(part.n for part in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(dict.fromkeys(part.type_name for part in self.parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+Blocks = BlockWeight | BlockRows
+
+
+def concat_rows(weights: Sequence[BlockWeight]) -> Blocks | None:
+    """The weights stacked by output rows (q, k, v → qkv): one BlockWeight where their types agree,
+    their parts (BlockRows) where they do not; None where their inputs differ."""
     first = weights[0]
-    if any(w.type != first.type or w.k != first.k for w in weights):
+    if any(w.k != first.k for w in weights):
         return None
+    if any(w.type != first.type for w in weights):
+        return BlockRows(tuple(weights))
     return BlockWeight(first.type, torch.cat([w.blocks for w in weights]), first.k)
 
 
@@ -176,7 +214,7 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
 _lock = threading.Lock()
 _loaded: dict[torch.dtype, Callable[..., int]] = {}
 
-# duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, rows, n, k, threads) -> 0 | -1 | -2
+# duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,
     ctypes.c_int64,
@@ -187,19 +225,18 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,
     ctypes.c_int64,
     ctypes.c_int64,
+    ctypes.c_int64,
     ctypes.c_int,
 ]
 
 
 class BlockLinear:
-    """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight`."""
+    """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight` or `BlockRows`."""
 
     def __init__(self, functions: dict[torch.dtype, Callable[..., int]]) -> None:
         self._functions = functions
 
-    def __call__(
-        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
         require(
             x.dim() == 2
             and x.dtype in DTYPES
@@ -218,26 +255,34 @@ class BlockLinear:
                 bias,
                 f"a contiguous {dtype_name} [{weight.n}] tensor, as x is {dtype_name}",
             )
-        rows = x.shape[0]
-        out = torch.empty(rows, weight.n, dtype=x.dtype)
-        if rows:
-            status = self._functions[x.dtype](
-                x.data_ptr(),
-                x.stride(0),
-                weight.blocks.data_ptr(),
-                weight.type,
-                None if bias is None else bias.data_ptr(),
-                out.data_ptr(),
-                rows,
-                weight.n,
-                weight.k,
-                torch.get_num_threads(),
-            )
-            if status != 0:
-                raise RuntimeError(
-                    f"block linear failed on a {weight.type_name} weight of input size {weight.k}"
-                )
+        out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
+        if x.shape[0]:
+            first = 0
+            for part in weight.parts if isinstance(weight, BlockRows) else (weight,):
+                part_bias = None if bias is None else bias[first : first + part.n]
+                self._multiply(x, part, part_bias, out, first)
+                first += part.n
         return out
+
+    def _multiply(
+        self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, out: torch.Tensor, first: int
+    ) -> None:
+        """out[:, first : first + weight.n] = x @ weight.T (+ bias)."""
+        status = self._functions[x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            weight.blocks.data_ptr(),
+            weight.type,
+            None if bias is None else bias.data_ptr(),
+            out[:, first:].data_ptr(),
+            out.stride(0),
+            x.shape[0],
+            weight.n,
+            weight.k,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"block linear failed on a {weight.type_name} weight of input size {weight.k}")
 
 
 def load_block_linear() -> BlockLinear:
@@ -277,7 +322,9 @@ __all__ = [
     "Q6_K",
     "Q8_0",
     "BlockLinear",
+    "BlockRows",
     "BlockWeight",
+    "Blocks",
     "KernelBuildError",
     "block_weights",
     "concat_rows",

@@ -33,7 +33,7 @@ import torch
 
 from kernels import cpu_pair_linear
 from kernels._launch import require
-from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_block_linear import BlockRows, Blocks
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
 
@@ -60,6 +60,12 @@ class _Layer(ctypes.Structure):
         ("o_type", ctypes.c_int32),
         ("gate_up_type", ctypes.c_int32),
         ("down_type", ctypes.c_int32),
+        ("k_part", ctypes.c_void_p),
+        ("v_part", ctypes.c_void_p),
+        ("up_part", ctypes.c_void_p),
+        ("k_type", ctypes.c_int32),
+        ("v_type", ctypes.c_int32),
+        ("up_type", ctypes.c_int32),
     ]
 
 
@@ -98,8 +104,9 @@ class StackLayer:
     v_cache: torch.Tensor
     # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack.
     pair_weights: tuple[torch.Tensor, ...] = ()
-    # Or the same four as GGUF blocks.
-    block_weights: tuple[BlockWeight, ...] = ()
+    # Or the same four as GGUF blocks: qkv's as q's, k's and v's and gate_up's as gate's and up's
+    # where their types differ (BlockRows).
+    block_weights: tuple[Blocks, ...] = ()
 
 
 class BoundStack:
@@ -124,9 +131,19 @@ class BoundStack:
         self._scratch = threading.local()
 
     def _layer(self, layer: StackLayer) -> _Layer:
+        # Parts past a fused linear's first (k, v; up) where its blocks differ in type.
+        extra: list[int | None] = [None, None, None]
+        extra_types = [0, 0, 0]
         if self.stack.blocks:
-            pointers = [w.blocks.data_ptr() for w in layer.block_weights]
-            types = [w.type for w in layer.block_weights]
+            firsts = [w.parts[0] if isinstance(w, BlockRows) else w for w in layer.block_weights]
+            pointers = [w.blocks.data_ptr() for w in firsts]
+            types = [w.type for w in firsts]
+            qkv, _, gate_up, _ = layer.block_weights
+            if isinstance(qkv, BlockRows):
+                extra[0], extra[1] = (part.blocks.data_ptr() for part in qkv.parts[1:])
+                extra_types[0], extra_types[1] = (part.type for part in qkv.parts[1:])
+            if isinstance(gate_up, BlockRows):
+                extra[2], extra_types[2] = gate_up.parts[1].blocks.data_ptr(), gate_up.parts[1].type
         else:
             pointers, types = [w.data_ptr() for w in layer.pair_weights], [0, 0, 0, 0]
         return _Layer(
@@ -140,6 +157,8 @@ class BoundStack:
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
             *types,
+            *extra,
+            *extra_types,
         )
 
     def _check(self, index: int, layer: StackLayer) -> None:
@@ -184,11 +203,15 @@ class BoundStack:
         ):
             out, k = expected[name]
             if self.stack.blocks:
+                # Parts: q, k and v; gate and up. o and down are one weight each.
+                parts = {"qkv_weight": (q_size, kv_size, kv_size), "gate_up_weight": (ffn, ffn)}.get(name)
+                rows = tuple(p.n for p in weight.parts) if isinstance(weight, BlockRows) else None
                 require(
-                    (weight.n, weight.k) == (out, k),
+                    (weight.n, weight.k) == (out, k) and (rows is None or rows == parts),
                     f"layers[{index}].{field} ({name})",
-                    weight.blocks,
-                    f"the blocks of a [{out}, {k}] weight",
+                    weight.parts[0].blocks if isinstance(weight, BlockRows) else weight.blocks,
+                    f"the blocks of a [{out}, {k}] weight"
+                    + (f", or its parts of {parts} rows" if parts else ", in one part"),
                 )
                 continue
             shape = (out // 16, k // 32, 16, 16, 2)

@@ -25,6 +25,7 @@ from gpu_worker.loader import load_block_weights, load_model
 from kernels.cpu_block_linear import (
     BF16,
     BLOCK_BYTES,
+    DTYPES,
     F16,
     K_QUANTS,
     Q4_0,
@@ -37,6 +38,7 @@ from kernels.cpu_block_linear import (
     Q8_0,
     TYPE_NAMES,
     BlockLinear,
+    BlockRows,
     BlockWeight,
     KernelBuildError,
     block_weights,
@@ -243,13 +245,48 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
         BlockWeight(Q6_K, torch.zeros(4, 2 * 144, dtype=torch.uint8), 512)  # Q6_K rows of 512 are 420 bytes
 
 
-def test_rows_stack_only_when_types_and_inputs_agree() -> None:
+def test_rows_stack_as_one_weight_or_as_parts() -> None:
     a, b = block_weight(Q4_1, 3, 64, seed=3), block_weight(Q4_1, 5, 64, seed=4)
     stacked = concat_rows([a, b])
-    assert stacked is not None and stacked.n == 8
+    assert isinstance(stacked, BlockWeight) and stacked.n == 8
     assert torch.equal(stacked.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    assert concat_rows([a, block_weight(Q8_0, 3, 64, seed=5)]) is None
+    c = block_weight(Q8_0, 3, 64, seed=5)
+    mixed = concat_rows([a, c, b])  # types differ: kept as parts
+    assert isinstance(mixed, BlockRows) and mixed.parts == (a, c, b)
+    assert (mixed.n, mixed.k, mixed.type_name) == (11, 64, "Q4_1+Q8_0")
+    assert mixed.nbytes == a.nbytes + b.nbytes + c.nbytes
+    assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize(), b.dequantize()]))
     assert concat_rows([a, block_weight(Q4_1, 3, 96, seed=6)]) is None
+    with pytest.raises(ValueError, match="parts"):
+        BlockRows((a,))
+    with pytest.raises(ValueError, match="parts"):
+        BlockRows((a, block_weight(Q8_0, 3, 96, seed=6)))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 40])  # streamed, tiled, tiled + tail
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parts_multiply_into_their_own_columns(kernel: BlockLinear, rows: int, dtype: torch.dtype) -> None:
+    """A K-quant file's q/k/v in Q4_K, Q4_K and Q6_K: each part into its columns of y, the bias's
+    slices with them; each part's columns equal to that part multiplied alone."""
+    q, k, v = (
+        block_weight(Q4_K, 48, 512, seed=1),
+        block_weight(Q4_K, 16, 512, seed=2),
+        block_weight(Q6_K, 16, 512, seed=3),
+    )
+    qkv = concat_rows([q, k, v])
+    assert isinstance(qkv, BlockRows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=gen).to(dtype)
+    bias = torch.randn(80, generator=gen).to(dtype)
+    got = kernel(x, qkv, bias)
+    assert got.shape == (rows, 80) and got.dtype == dtype
+    first = 0
+    for part in (q, k, v):
+        assert torch.equal(got[:, first : first + part.n], kernel(x, part, bias[first : first + part.n]))
+        first += part.n
+    want = x.double() @ qkv.dequantize().double().T + bias.double()
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
 
 
 def test_linear_takes_blocks_for_decode_sized_steps_only(kernel: BlockLinear) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloa
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.worker import make_attention
-from kernels.cpu_block_linear import BF16, BlockLinear, BlockWeight
+from kernels.cpu_block_linear import BF16, Q8_0, BlockLinear, BlockRows, BlockWeight
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
@@ -117,6 +118,56 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     assert got.dtype == dtype and torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def mixed_parts(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """SmolLM2 with every layer's v_proj and up_proj requantized to Q8_0 beside Q4_1 q/k and gate,
+    as a K-quant file gives attn_v more bits than attn_q and attn_k: fused linears whose parts'
+    blocks differ in type (BlockRows)."""
+    config, weights, blocks = smollm2
+    weights, blocks = dict(weights), dict(blocks)
+    for i in range(config.num_layers):
+        for name in (f"model.layers.{i}.self_attn.v_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"):
+            stored = gguf.quants.quantize(weights[name].numpy(), gguf.GGMLQuantizationType.Q8_0)
+            blocks[name] = BlockWeight(
+                Q8_0, torch.from_numpy(stored.reshape(weights[name].shape[0], -1)), weights[name].shape[1]
+            )
+            weights[name] = blocks[name].dequantize()
+    return config, weights, blocks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, BLOCK_STACK_MAX_ROWS])
+def test_fused_linears_of_mixed_block_types_stack_bit_for_bit(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q/k in Q4_1 with v in Q8_0, gate in Q4_1 with up in Q8_0: every linear still takes the blocks,
+    the stack calls each part into its columns, and gives the per-op forward's bits and KV cache."""
+    mixed = mixed_parts(smollm2)
+    config = mixed[0]
+    counting = CountingRuns(monkeypatch)
+    stacked = block_model(mixed, stack=True, dtype=dtype)
+    assert stacked.block_linears == 4 * config.num_layers + 1
+    layer = stacked.layers[0]
+    assert isinstance(layer.qkv.blocks, BlockRows) and layer.qkv.blocks.type_name == "Q4_1+Q8_0"
+    assert isinstance(layer.gate_up.blocks, BlockRows) and len(layer.gate_up.blocks.parts) == 2
+    per_op = block_model(mixed, stack=False, dtype=dtype)
+    caches = filled_cache(config, dtype), filled_cache(config, dtype)
+    batch = decode_batch(rows)
+    got = stacked(batch, caches[0])
+    assert counting.runs == 1
+    assert torch.equal(got, per_op(batch, caches[1]))
+    for (k_a, v_a), (k_b, v_b) in zip(*caches, strict=True):
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    if dtype == torch.float32:  # the parts hold the weights' values: the dense forward agrees
+        dense = block_model(mixed, stack=False, blocks=False)
+        want = dense(batch, filled_cache(config))
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-2)  # summation order, 30 layers
 
 
 @pytest.mark.parametrize("vector_bits", [256, 0])

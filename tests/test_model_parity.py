@@ -374,24 +374,35 @@ def test_smollm2_on_blocks_alone_matches_transformers(
 
 
 @pytest.mark.slow
-def test_smollm2_in_q5_0_blocks_matches_transformers(tmp_path: Path) -> None:
-    """A small model's "K-quant" file is mostly Q5_0/Q5_1 (llama.cpp falls back to them for rows
-    not 256 long, SmolLM2's 576 among them). SmolLM2 with its layers requantized to Q5_0 by
-    bench/requantize_gguf.py: every layer linear multiplies the file's Q5_0 blocks, and greedy
-    output equals transformers float32 on the same file."""
-    path = tmp_path / "smollm2-q5_0.gguf"
+@pytest.mark.parametrize(
+    ("type_name", "layer_types"),
+    [("Q5_0", {"Q5_0"}), ("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0"})],
+)
+def test_smollm2_requantized_on_its_blocks_matches_transformers(
+    tmp_path: Path, type_name: str, layer_types: set[str]
+) -> None:
+    """SmolLM2 with its layers requantized by bench/requantize_gguf.py: to Q5_0, most of a small
+    model's "K-quant" file (llama.cpp falls back to it for rows not 256 long, SmolLM2's 576
+    among them), and to llama.cpp's Q4_K_M mix (ffn_down's 1536-long rows in Q4_K and Q6_K
+    super-blocks, attn_v in Q8_0 in some layers). Every layer linear multiplies the file's
+    blocks, and greedy output equals transformers float32 on the same file."""
+    path = tmp_path / f"smollm2-{type_name}.gguf"
     script = Path(__file__).resolve().parent.parent / "bench" / "requantize_gguf.py"
     subprocess.run(
-        [sys.executable, str(script), str(path), "--type", "Q5_0"], check=True, capture_output=True
+        [sys.executable, str(script), str(path), "--type", type_name], check=True, capture_output=True
     )
     config, weights = load_model(path)
     blocks = load_block_weights(path, config)
-    assert {b.type_name for name, b in blocks.items() if name.startswith("model.layers.")} == {"Q5_0"}
+    assert {b.type_name for name, b in blocks.items() if name.startswith("model.layers.")} == layer_types
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights, blocks)
     if block_kernel() is not None:
         assert model.block_linears == 4 * config.num_layers + 1
     use_backend(model, config, "cpu", block_size=16)
+    attention = model.attention
+    assert isinstance(attention, CpuPagedAttention)
+    if block_kernel() is not None:  # decode steps run every layer in one call on those blocks
+        assert attention.decode_stack is not None and attention.decode_stack.blocks
     check_smollm2_against_transformers(smollm2_reference(path, "cpu"), config, model, CHAT_PROMPTS[:2], 16)
 
 

@@ -311,15 +311,15 @@ static inline __attribute__((always_inline)) void pass(
  * (constants once inlined). */
 static inline __attribute__((always_inline)) void output(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t rows,
-    int64_t n_total, int64_t n, float bias, const int type, const int bf16)
+    int64_t y_stride, int64_t n, float bias, const int type, const int bf16)
 {
     switch (rows) {
-    case 6: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 6); break;
-    case 5: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 5); break;
-    case 4: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 4); break;
-    case 3: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 3); break;
-    case 2: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 2); break;
-    case 1: pass(x, x_stride, blocks, row, y, n_total, n, bias, type, bf16, 1); break;
+    case 6: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 6); break;
+    case 5: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 5); break;
+    case 4: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 4); break;
+    case 3: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 3); break;
+    case 2: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 2); break;
+    case 1: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 1); break;
     default: break;
     }
 }
@@ -327,7 +327,7 @@ static inline __attribute__((always_inline)) void output(
 /* The streaming path: each weight row read once from memory, for all rows of x in one pass. */
 static void stream_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
-    int64_t rows, int64_t n, int64_t k, int threads)
+    int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
@@ -335,7 +335,7 @@ static void stream_rows(
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *row = w + o * row_bytes;
         const float b = bias == NULL ? 0.0f : bias[o];
-#define OUTPUT(T, B) output(x, x_stride, blocks, row, y, rows, n, o, b, T, B)
+#define OUTPUT(T, B) output(x, x_stride, blocks, row, y, rows, y_stride, o, b, T, B)
         WITH_CONSTANTS(type, bf16, OUTPUT);
 #undef OUTPUT
     }
@@ -454,7 +454,7 @@ static void columns_of(const float *x, int64_t x_stride, int64_t rows, int64_t f
  * aligned); -2 where a thread's panel cannot be had. */
 static int tiled_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
-    int64_t rows, int64_t n, int64_t k, float *xt, int threads)
+    int64_t y_stride, int64_t rows, int64_t n, int64_t k, float *xt, int threads)
 {
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
     /* Panels of a multiple of TILE_OUTS outputs, as many as fit PANEL_BYTES, their count a
@@ -486,7 +486,7 @@ static int tiled_rows(
                     const int64_t r = g * TILE_ROWS;
                     const int tile_rows = rows - r < TILE_ROWS ? (int)(rows - r) : TILE_ROWS;
                     for (int64_t o = 0; o < outs; o += TILE_OUTS)
-                        tile(xt + g * k * TILE_ROWS, panel + o * k, k, y + r * n + first + o, n,
+                        tile(xt + g * k * TILE_ROWS, panel + o * k, k, y + r * y_stride + first + o, y_stride,
                              bias == NULL ? NULL : bias + first + o, tile_rows,
                              outs - o < TILE_OUTS ? (int)(outs - o) : TILE_OUTS);
                 }
@@ -499,7 +499,7 @@ static int tiled_rows(
 /* The product on weights widened as `bf16` says; see duoserve_block_linear. */
 static int block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
-    int64_t rows, int64_t n, int64_t k, int threads)
+    int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     if (!known_type(type) || k % block_weights(type) != 0) return -1;
     /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
@@ -509,26 +509,27 @@ static int block_linear(
     if (tiled > 0) {
         float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
         if (xt == NULL) return -2;
-        const int status = tiled_rows(x, x_stride, w, type, bf16, bias, y, tiled, n, k, xt, threads);
+        const int status = tiled_rows(x, x_stride, w, type, bf16, bias, y, y_stride, tiled, n, k, xt, threads);
         if (status != 0) return status;
     }
     if (tail > 0)
-        stream_rows(x + tiled * x_stride, x_stride, w, type, bf16, bias, y + tiled * n, tail, n, k, threads);
+        stream_rows(x + tiled * x_stride, x_stride, w, type, bf16, bias, y + tiled * y_stride, y_stride, tail, n, k,
+                    threads);
     return 0;
 }
 
 /*
- * y [rows, n] (row stride n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
+ * y [rows, n] (row stride y_stride >= n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
  * `type` blocks, k / 32 per output row (k / 256 super-blocks of a K-quant); bias may be NULL. Up
  * to STREAM_ROWS rows stream the weight once (a decode step's time is its bytes); more take the
  * tiled path (their time is the multiplies), but for a tail of up to STREAM_ROWS rows past whole
  * tiles. Returns 0, -1 for an unknown type or k not in whole blocks, -2 when scratch cannot be had.
  */
 int duoserve_block_linear(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t rows,
-    int64_t n, int64_t k, int threads)
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t y_stride,
+    int64_t rows, int64_t n, int64_t k, int threads)
 {
-    return block_linear(x, x_stride, w, type, 0, bias, y, rows, n, k, threads);
+    return block_linear(x, x_stride, w, type, 0, bias, y, y_stride, rows, n, k, threads);
 }
 
 /* Scratch of the calling thread's for the bfloat16 entry: x, y and the bias in float32. */
@@ -540,14 +541,14 @@ static __thread int64_t x_capacity = 0, y_capacity = 0, bias_capacity = 0;
 
 /*
  * duoserve_block_linear in bfloat16: x [rows, k] (row stride x_stride), bias [n] (or NULL) and
- * y [rows, n] are bfloat16, and so are the weights: each widened weight is rounded to bfloat16,
+ * y [rows, n] (row stride y_stride) are bfloat16, and so are the weights: each widened weight is rounded to bfloat16,
  * the value a bfloat16 copy of the dequantized weight holds. The products and their sums are
  * float32 (x and the bias widen exactly); y is rounded to nearest even once. Returns as
  * duoserve_block_linear does.
  */
 int duoserve_block_linear_bf16(
     const uint16_t *x, int64_t x_stride, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
-    int64_t rows, int64_t n, int64_t k, int threads)
+    int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     float *xf = thread_scratch(&x_floats, &x_capacity, rows * k);
     float *yf = thread_scratch(&y_floats, &y_capacity, rows * n);
@@ -558,9 +559,10 @@ int duoserve_block_linear_bf16(
         for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_float(x[r * x_stride + i]);
     if (bias != NULL)
         for (int64_t o = 0; o < n; o++) bf[o] = bf16_to_float(bias[o]);
-    const int status = block_linear(xf, k, w, type, 1, bf, yf, rows, n, k, threads);
+    const int status = block_linear(xf, k, w, type, 1, bf, yf, n, rows, n, k, threads);
     if (status != 0) return status;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > CONVERT_ALONE)
-    for (int64_t i = 0; i < rows * n; i++) y[i] = float_to_bf16(yf[i]);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < n; o++) y[r * y_stride + o] = float_to_bf16(yf[r * n + o]);
     return 0;
 }

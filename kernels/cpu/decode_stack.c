@@ -32,7 +32,13 @@
 #define BLOCK_LINEAR_CALL duoserve_block_linear
 #endif
 #define LINEAR(layer, which, x, in, bias, y, rows, out, threads)                                                   \
-    BLOCK_LINEAR_CALL(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, rows, out, in, threads)
+    BLOCK_LINEAR_CALL(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, out, rows, out, in, \
+                      threads)
+/* Rows first .. first + out - 1 of a fused linear whose parts' blocks differ in type, into those
+ * columns of y (row stride y_stride). */
+#define PART(w, type, x, in, bias, y, y_stride, first, rows, out, threads)                                       \
+    BLOCK_LINEAR_CALL(x, in, (const uint8_t *)(w), type, (bias) == NULL ? NULL : (bias) + (first), (y) + (first), \
+                      y_stride, rows, out, in, threads)
 #else
 #if !ELEM_BF16
 #error "the pair-linear decode stack runs in bfloat16 (build with -DELEM_BF16=1)"
@@ -55,6 +61,11 @@ typedef struct {
     const elem_t *next_norm;      /* [hidden]: the next layer's input norm, or the final norm */
     elem_t *k_cache, *v_cache;    /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
     int32_t qkv_type, o_type, gate_up_type, down_type;
+    /* Block build, where a fused linear's parts have blocks of different types (a K-quant file's
+     * attn_v often has more bits than attn_q and attn_k): k's and v's blocks, qkv then holding q's
+     * alone; up's, gate_up then holding gate's. NULL where the fused blocks are one type. */
+    const void *k_part, *v_part, *up_part;
+    int32_t k_type, v_type, up_type;
 } duoserve_layer;
 
 /* The shape of the model and of the step. */
@@ -88,7 +99,16 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
     elem_t *out = act + rows * ffn;          /* [rows, hidden] */
     for (int64_t l = 0; l < num_layers; l++) {
         const duoserve_layer *layer = layers + l;
-        LINEAR(layer, qkv, x, hidden, layer->qkv_bias, qkv, rows, qkv_size, num_threads);
+#if BLOCK_LINEAR
+        if (layer->k_part != NULL) {
+            PART(layer->qkv, layer->qkv_type, x, hidden, layer->qkv_bias, qkv, qkv_size, 0, rows, q_size, num_threads);
+            PART(layer->k_part, layer->k_type, x, hidden, layer->qkv_bias, qkv, qkv_size, q_size, rows, kv_size,
+                 num_threads);
+            PART(layer->v_part, layer->v_type, x, hidden, layer->qkv_bias, qkv, qkv_size, q_size + kv_size, rows,
+                 kv_size, num_threads);
+        } else
+#endif
+            LINEAR(layer, qkv, x, hidden, layer->qkv_bias, qkv, rows, qkv_size, num_threads);
         duoserve_rotary(qkv, qkv_size, q_size / HEAD_DIM, qkv + q_size, qkv_size, step->num_kv_heads,
                         step->cos_table, step->sin_table, rows, HEAD_DIM / 2, num_threads);
         duoserve_write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache, layer->v_cache,
@@ -99,7 +119,15 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
                                         num_threads);
         LINEAR(layer, o, attn, q_size, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->post_norm, x, rows, hidden, step->eps, num_threads);
-        LINEAR(layer, gate_up, x, hidden, NULL, gate_up, rows, 2 * ffn, num_threads);
+#if BLOCK_LINEAR
+        if (layer->up_part != NULL) {
+            PART(layer->gate_up, layer->gate_up_type, x, hidden, (const elem_t *)NULL, gate_up, 2 * ffn, 0, rows, ffn,
+                 num_threads);
+            PART(layer->up_part, layer->up_type, x, hidden, (const elem_t *)NULL, gate_up, 2 * ffn, ffn, rows, ffn,
+                 num_threads);
+        } else
+#endif
+            LINEAR(layer, gate_up, x, hidden, NULL, gate_up, rows, 2 * ffn, num_threads);
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
         LINEAR(layer, down, act, ffn, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
