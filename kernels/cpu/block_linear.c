@@ -169,43 +169,66 @@ static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, con
         w[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
 }
 
-/* Group g (of 8) of a K-quant super-block as float32 in w[0..3], to the values the gguf package's
- * float32 dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
+/* A K-quant super-block's scalar work, done once for its 8 groups: Q4_K/Q5_K d * sc and
+ * -(dmin * m) per group, Q6_K d * scale per 16 weights. */
+typedef struct {
+    float times[16];
+    float minus[8];
+} super_scales;
+
+static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
+{
+    if (type == TYPE_Q6_K) {
+        const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
+        const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
+        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
+        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+        return;
+    }
+    /* scale_min_k4 for all 8 groups at once, four bytes at a time */
+    uint32_t u0, u1, u2;
+    __builtin_memcpy(&u0, block + 4, 4);
+    __builtin_memcpy(&u1, block + 8, 4);
+    __builtin_memcpy(&u2, block + 12, 4);
+    const uint64_t scales = (uint64_t)(u0 & 0x3f3f3f3fu) | (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mins = (uint64_t)(u1 & 0x3f3f3f3fu) | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+    const __m256 d = _mm256_set1_ps(half_to_float(block)), dmin = _mm256_set1_ps(-half_to_float(block + 2));
+    _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales)))));
+    _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins)))));
+}
+
+/* Group g (of 8; a constant once the caller's loop is unrolled, so that every shift is) of a
+ * K-quant super-block as float32 in w[0..3], to the values the gguf package's float32
+ * dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
  * q * (d * sc) are exact: 11 + 6 + 5 bits), Q6_K (d * scale) * (q - 32), exact (11 + 8 + 6 bits). */
 static inline __attribute__((always_inline)) void widen_group(
-    const uint8_t *block, const int64_t g, const int type, __m256 w[4])
+    const uint8_t *block, const int g, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     if (type == TYPE_Q6_K) {
-        const int64_t h = g >> 2, t = g & 3;
+        const int h = g >> 2, t = g & 3;
         __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * (t & 1)));
-        low = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128((int)(4 * (t >> 1)))), nibble);
+        low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(low, 4) : low, nibble);
         __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
-        high = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128((int)(2 * t))), _mm256_set1_epi8(3));
+        high = _mm256_and_si256(_mm256_srli_epi16(high, 2 * t), _mm256_set1_epi8(3));
         const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
         bytes_to_floats(q, 1, w);
-        const float d = half_to_float(block + 208);
-        const int8_t *scales = (const int8_t *)(block + 192 + 8 * h + 2 * t);
-        const __m256 first = _mm256_set1_ps(d * (float)scales[0]), second = _mm256_set1_ps(d * (float)scales[1]);
+        const __m256 first = _mm256_broadcast_ss(s->times + 2 * g), second = _mm256_broadcast_ss(s->times + 2 * g + 1);
         w[0] = _mm256_mul_ps(w[0], first);
         w[1] = _mm256_mul_ps(w[1], first);
         w[2] = _mm256_mul_ps(w[2], second);
         w[3] = _mm256_mul_ps(w[3], second);
         return;
     }
-    int scale, min;
-    scale_min_k4(block + 4, (int)g, &scale, &min);
-    const uint8_t *qs = block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (g >> 1);
-    __m256i q = _mm256_loadu_si256((const __m256i *)qs);
-    q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128((int)(4 * (g & 1)))), nibble);
+    __m256i q = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (g >> 1)));
+    q = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(q, 4) : q, nibble);
     if (type == TYPE_Q5_K) { /* bit g of qh[j]: 16 on weight j */
         const __m256i bit = _mm256_set1_epi8((char)(1 << g));
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(block + 16)), bit), bit);
         q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
     bytes_to_floats(q, 0, w);
-    const __m256 times = _mm256_set1_ps(half_to_float(block) * (float)scale);
-    const __m256 minus = _mm256_set1_ps(-(half_to_float(block + 2) * (float)min));
+    const __m256 times = _mm256_broadcast_ss(s->times + g), minus = _mm256_broadcast_ss(s->minus + g);
     for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(w[j], times, minus);
 }
 
@@ -218,21 +241,12 @@ static inline __m256 round_bf16(__m256 v)
     return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-/* Weights 32b .. 32b + 31 of a row of `type` blocks as float32 in w[0..3]: each d * q + m (Q4_1,
- * Q5_1), d * q - 8d (Q4_0), d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing
- * in float32 gives them (d * q is exact), a K-quant super-block's group (widen_group), or the
- * 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to bfloat16, as a bfloat16
- * copy of the dequantized weight holds them. */
-static inline __attribute__((always_inline)) void widen(
-    const uint8_t *row, const int64_t b, const int type, const int bf16, __m256 w[4])
+/* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
+ * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them
+ * (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
+ * bfloat16, as a bfloat16 copy of the dequantized weight holds them. (K-quants: widen_group.) */
+static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
-    if (super_blocks(type)) {
-        widen_group(row + (b >> 3) * block_bytes(type), b & 7, type, w);
-        if (bf16)
-            for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
-        return;
-    }
-    const uint8_t *block = row + b * block_bytes(type);
     if (type == TYPE_BF16) { /* the high halves of float32s */
         for (int j = 0; j < 4; j++) {
             const __m128i halves = _mm_loadu_si128((const __m128i *)(block + 16 * j));
@@ -291,15 +305,35 @@ static inline __attribute__((always_inline)) void pass(
     __m256 acc[STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chains; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256 w[4];
-        widen(row, b, type, bf16, w);
-        for (int r = 0; r < rows; r++) {
-            const float *xb = x + r * x_stride + 32 * b;
-            for (int j = 0; j < 4; j++)
-                acc[r][j % chains] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % chains]);
+#define ACCUMULATE(b)                                                                                      \
+    for (int r = 0; r < rows; r++) {                                                                        \
+        const float *xb = x + r * x_stride + 32 * (b);                                                      \
+        for (int j = 0; j < 4; j++)                                                                         \
+            acc[r][j % chains] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % chains]);    \
+    }
+    if (super_blocks(type)) {
+        for (int64_t b = 0; b < blocks; b += 8) {
+            const uint8_t *block = row + (b >> 3) * block_bytes(type);
+            super_scales scales;
+            prepare_super(block, type, &scales);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m256 w[4];
+                widen_group(block, g, type, &scales, w);
+                if (bf16)
+                    for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
+                ACCUMULATE(b + g)
+            }
+        }
+    } else {
+        const int64_t size = block_bytes(type);
+        for (int64_t b = 0; b < blocks; b++) {
+            __m256 w[4];
+            widen(row + b * size, type, bf16, w);
+            ACCUMULATE(b)
         }
     }
+#undef ACCUMULATE
     for (int r = 0; r < rows; r++) {
         __m256 total = acc[r][0];
         for (int c = 1; c < chains; c++) total = _mm256_add_ps(total, acc[r][c]);
@@ -360,9 +394,24 @@ static void stream_rows(
 static inline __attribute__((always_inline)) void widen_row(
     const uint8_t *row, int64_t blocks, const int type, const int bf16, float *out)
 {
+    if (super_blocks(type)) {
+        for (int64_t b = 0; b < blocks; b += 8) {
+            const uint8_t *block = row + (b >> 3) * block_bytes(type);
+            super_scales scales;
+            prepare_super(block, type, &scales);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                __m256 w[4];
+                widen_group(block, g, type, &scales, w);
+                for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * (b + g) + 8 * j, bf16 ? round_bf16(w[j]) : w[j]);
+            }
+        }
+        return;
+    }
+    const int64_t size = block_bytes(type);
     for (int64_t b = 0; b < blocks; b++) {
         __m256 w[4];
-        widen(row, b, type, bf16, w);
+        widen(row + b * size, type, bf16, w);
         for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * b + 8 * j, w[j]);
     }
 }
