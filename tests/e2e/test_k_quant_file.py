@@ -1,0 +1,82 @@
+"""Serving a GGUF file in llama.cpp's Q4_K_M mix (SmolLM2 requantized by bench/requantize_gguf.py):
+Q4_K and Q6_K super-blocks, and fused linears whose parts differ in type (attn_v in Q8_0 beside
+Q5_0 q and k in some layers), all multiplied on the file's blocks by a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from duoserve_client import Client
+from gpu_worker.linear import block_kernel
+from tests.e2e.harness import start_server
+
+NEW_TOKENS = 12
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("q4_k_m") / "smollm2-q4_k_m.gguf"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "requantize_gguf.py"), str(path), "--type", "Q4_K_M"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert "16 Q4_K, 166 Q5_0, 14 Q6_K, 14 Q8_0" in done.stdout
+    return path
+
+
+def reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers float32 on the same file, greedy, end-of-sequence tokens taken like any other
+    (as the server's ignore_eos does; `generate`'s min_new_tokens would mask them instead)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+def test_a_q4_k_m_file_is_served_on_its_blocks_alone(q4_k_m_file: Path) -> None:
+    """--dense-weights drop: no float32 copy of any layer linear, so every step (a 300-token
+    prefill included) multiplies the file's blocks; greedy output equals transformers float32
+    on the same file."""
+    server = start_server(
+        "--model", str(q4_k_m_file), "--dtype", "float32", "--dense-weights", "drop", "--metrics-port", "0"
+    )
+    try:
+        with Client(server.target) as client:
+            prompts = [
+                client.tokenize("Tell me about the sea, " + "and the waves " * 100),
+                client.tokenize("What is the capital of France?"),
+            ]
+            served = [
+                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+                for p in prompts
+            ]
+    finally:
+        assert server.stop() == 0
+    assert len(prompts[0]) > 256
+    if block_kernel() is not None:
+        log = server.log()
+        # 30 layers: qkv in Q5_0 (16) or Q5_0+Q8_0 (14), o/gate_up in Q5_0, down in Q4_K (16) or
+        # Q6_K (14); the tied head on the embedding's Q8_0.
+        assert (
+            "121 of 121 linears take the block kernel for steps of up to 256 rows "
+            "(16 Q4_K, 76 Q5_0, 14 Q5_0+Q8_0, 14 Q6_K, 1 Q8_0)" in log
+        )
+        assert "120 of them hold no dense copy and take it at every step (--dense-weights drop)" in log
+    assert served == reference(q4_k_m_file, prompts)
