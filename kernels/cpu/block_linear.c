@@ -1,7 +1,7 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or 16-bit floats (F16, BF16: a GGUF file's or a safetensors
- * checkpoint's). A decode step streams every weight once and does two flops
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or 16-bit floats (F16, BF16: a GGUF
+ * file's or a safetensors checkpoint's). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
  *
@@ -21,7 +21,7 @@
  *   Q5_K: fp16 d, fp16 dmin, uint8 scales[12], uint8 qh[32], uint8 qs[128]   (176 bytes)
  *   Q6_K: uint8 ql[128], uint8 qh[64], int8 scales[16], fp16 d               (210 bytes)
  * Q4_K/Q5_K: group g's weight j is d * sc[g] * q - dmin * m[g], with sc and m 6-bit numbers packed
- * in `scales` (scale_min_k4), q the low (g even) or high (g odd) nibble of qs[32 * (g / 2) + j],
+ * in `scales` (prepare_super), q the low (g even) or high (g odd) nibble of qs[32 * (g / 2) + j],
  * plus 16 for bit g of qh[j] in Q5_K. Q6_K: group g = 4h + t's weight j is d * scales[8h + 2t +
  * j / 16] * (q - 32), q the nibble of ql[64h + 32 * (t % 2) + j] (low for t < 2) and two more bits
  * from qh[32h + j] >> 2t. The kernel takes such weights group by group, like the 32-weight blocks.
@@ -146,20 +146,6 @@ static inline __m256i fifth_bits(const uint8_t *h)
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
-/* Group g's 6-bit scale and min in a Q4_K/Q5_K super-block's 12 `scales` bytes: those of groups
- * 0-3 in the low six bits of bytes 0-3 and 4-7; those of groups 4-7 in the nibbles of bytes 8-11,
- * their top two bits in the top bits of bytes 0-3 and 4-7. */
-static inline void scale_min_k4(const uint8_t *scales, int g, int *scale, int *min)
-{
-    if (g < 4) {
-        *scale = scales[g] & 63;
-        *min = scales[g + 4] & 63;
-    } else {
-        *scale = (scales[g + 4] & 0x0f) | ((scales[g - 4] >> 6) << 4);
-        *min = (scales[g + 4] >> 4) | ((scales[g] >> 6) << 4);
-    }
-}
-
 /* The 32 bytes of v as float32, unsigned (or signed: `is_signed`), in w[0..3]. */
 static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, const int is_signed, __m256 w[4])
 {
@@ -169,7 +155,7 @@ static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, con
         w[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
 }
 
-/* A K-quant super-block's scalar work, done once for its 8 groups: Q4_K/Q5_K d * sc and
+/* A K-quant super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and
  * -(dmin * m) per group, Q6_K d * scale per 16 weights. */
 typedef struct {
     float times[16];
@@ -181,20 +167,26 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     if (type == TYPE_Q6_K) {
         const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
         const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
-        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales))));
-        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)))));
+        const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales));
+        const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)));
+        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, first));
+        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, second));
         return;
     }
-    /* scale_min_k4 for all 8 groups at once, four bytes at a time */
+    /* The 12 `scales` bytes: groups 0-3's scales and mins in the low six bits of bytes 0-3 and
+     * 4-7; groups 4-7's in the nibbles of bytes 8-11 (scale low), with their top two bits in the
+     * top bits of bytes 0-3 (scales) and 4-7 (mins). Unpacked four groups at a time. */
     uint32_t u0, u1, u2;
     __builtin_memcpy(&u0, block + 4, 4);
     __builtin_memcpy(&u1, block + 8, 4);
     __builtin_memcpy(&u2, block + 12, 4);
-    const uint64_t scales = (uint64_t)(u0 & 0x3f3f3f3fu) | (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
-    const uint64_t mins = (uint64_t)(u1 & 0x3f3f3f3fu) | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+    const uint32_t high_scales = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    const uint32_t high_mins = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+    const int64_t scales = (int64_t)((uint64_t)(u0 & 0x3f3f3f3fu) | (uint64_t)high_scales << 32);
+    const int64_t mins = (int64_t)((uint64_t)(u1 & 0x3f3f3f3fu) | (uint64_t)high_mins << 32);
     const __m256 d = _mm256_set1_ps(half_to_float(block)), dmin = _mm256_set1_ps(-half_to_float(block + 2));
-    _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)scales)))));
-    _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mins)))));
+    _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scales)))));
+    _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins)))));
 }
 
 /* Group g (of 8; a constant once the caller's loop is unrolled, so that every shift is) of a
@@ -224,7 +216,8 @@ static inline __attribute__((always_inline)) void widen_group(
     q = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(q, 4) : q, nibble);
     if (type == TYPE_Q5_K) { /* bit g of qh[j]: 16 on weight j */
         const __m256i bit = _mm256_set1_epi8((char)(1 << g));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(block + 16)), bit), bit);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 16));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
         q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
     }
     bytes_to_floats(q, 0, w);
