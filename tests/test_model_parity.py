@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,26 +372,21 @@ def test_smollm2_on_blocks_alone_matches_transformers(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("type_name", "layer_types"),
-    [("Q5_0", {"Q5_0"}), ("Q4_K_M", {"Q4_K", "Q6_K", "Q5_0", "Q8_0"})],
-)
-def test_smollm2_requantized_on_its_blocks_matches_transformers(
-    tmp_path: Path, type_name: str, layer_types: set[str]
-) -> None:
-    """SmolLM2 with its layers requantized by bench/requantize_gguf.py: to Q5_0, most of a small
-    model's "K-quant" file (llama.cpp falls back to it for rows not 256 long, SmolLM2's 576
-    among them), and to llama.cpp's Q4_K_M mix (ffn_down's 1536-long rows in Q4_K and Q6_K
-    super-blocks, attn_v in Q8_0 in some layers). Every layer linear multiplies the file's
-    blocks, and greedy output equals transformers float32 on the same file."""
-    path = tmp_path / f"smollm2-{type_name}.gguf"
-    script = Path(__file__).resolve().parent.parent / "bench" / "requantize_gguf.py"
-    subprocess.run(
-        [sys.executable, str(script), str(path), "--type", type_name], check=True, capture_output=True
-    )
+def test_smollm2_in_k_quant_blocks_matches_transformers(smollm2_q4_k_m: Path) -> None:
+    """SmolLM2 requantized to llama.cpp's Q4_K_M mix (tests/conftest.py): Q4_K and Q6_K
+    super-blocks, Q5_0 (what llama.cpp falls back to for rows not 256 long, SmolLM2's 576 among
+    them, so most of a small model's "K-quant" file), and q/k/v whose parts differ in type. Every
+    layer linear multiplies the file's blocks, the decode stack included, and greedy output
+    equals transformers float32 on the same file."""
+    path = smollm2_q4_k_m
     config, weights = load_model(path)
     blocks = load_block_weights(path, config)
-    assert {b.type_name for name, b in blocks.items() if name.startswith("model.layers.")} == layer_types
+    assert {b.type_name for name, b in blocks.items() if name.startswith("model.layers.")} == {
+        "Q4_K",
+        "Q6_K",
+        "Q5_0",
+        "Q8_0",
+    }
     model = LlamaModel(config, torch.float32, "cpu")
     model.load_weights(weights, blocks)
     if block_kernel() is not None:

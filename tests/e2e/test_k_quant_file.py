@@ -4,31 +4,13 @@ Q5_0 q and k in some layers), all multiplied on the file's blocks by a real serv
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from duoserve_client import Client
 from gpu_worker.linear import block_kernel
 from tests.e2e.harness import start_server
 
 NEW_TOKENS = 12
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def q4_k_m_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("q4_k_m") / "smollm2-q4_k_m.gguf"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "requantize_gguf.py"), str(path), "--type", "Q4_K_M"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert "16 Q4_K, 166 Q5_0, 14 Q6_K, 14 Q8_0" in done.stdout
-    return path
 
 
 def reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -50,12 +32,12 @@ def reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-def test_a_q4_k_m_file_is_served_on_its_blocks_alone(q4_k_m_file: Path) -> None:
+def test_a_q4_k_m_file_is_served_on_its_blocks_alone(smollm2_q4_k_m: Path) -> None:
     """--dense-weights drop: no float32 copy of any layer linear, so every step (a 300-token
     prefill included) multiplies the file's blocks; greedy output equals transformers float32
     on the same file."""
     server = start_server(
-        "--model", str(q4_k_m_file), "--dtype", "float32", "--dense-weights", "drop", "--metrics-port", "0"
+        "--model", str(smollm2_q4_k_m), "--dtype", "float32", "--dense-weights", "drop", "--metrics-port", "0"
     )
     try:
         with Client(server.target) as client:
@@ -79,4 +61,4 @@ def test_a_q4_k_m_file_is_served_on_its_blocks_alone(q4_k_m_file: Path) -> None:
             "(16 Q4_K, 76 Q5_0, 14 Q5_0+Q8_0, 14 Q6_K, 1 Q8_0)" in log
         )
         assert "120 of them hold no dense copy and take it at every step (--dense-weights drop)" in log
-    assert served == reference(q4_k_m_file, prompts)
+    assert served == reference(smollm2_q4_k_m, prompts)
