@@ -71,14 +71,14 @@ DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
 
 
-def block_weights(type_: int) -> int:
+def weights_per_block(type_: int) -> int:
     """Weights in one block of the type: 256 in a K-quant's super-block, else 32."""
     return 256 if type_ in K_QUANTS else 32
 
 
 def row_bytes(type_: int, k: int) -> int:
     """Bytes of a row of k weights (k in whole blocks) as blocks of the type."""
-    return k // block_weights(type_) * BLOCK_BYTES[type_]
+    return k // weights_per_block(type_) * BLOCK_BYTES[type_]
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class BlockWeight:
     def __post_init__(self) -> None:
         if self.type not in BLOCK_BYTES:
             raise ValueError(f"type: got ggml type {self.type}, expected one of {_TYPES_LISTED}")
-        weights = block_weights(self.type)
+        weights = weights_per_block(self.type)
         if self.k <= 0 or self.k % weights:
             raise ValueError(
                 f"k: got {self.k}, expected a positive multiple of {weights} for {self.type_name} blocks"
@@ -326,8 +326,8 @@ __all__ = [
     "BlockWeight",
     "Blocks",
     "KernelBuildError",
-    "block_weights",
     "concat_rows",
     "load_block_linear",
     "row_bytes",
+    "weights_per_block",
 ]

@@ -41,10 +41,10 @@ from kernels.cpu_block_linear import (
     BlockRows,
     BlockWeight,
     KernelBuildError,
-    block_weights,
     concat_rows,
     load_block_linear,
     row_bytes,
+    weights_per_block,
 )
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
@@ -65,7 +65,7 @@ TYPES = {
 
 def whole(type_: int, k: int) -> int:
     """k rounded up to whole blocks of the type (a K-quant's 256)."""
-    return -(-k // block_weights(type_)) * block_weights(type_)
+    return -(-k // weights_per_block(type_)) * weights_per_block(type_)
 
 
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:

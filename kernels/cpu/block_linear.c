@@ -112,7 +112,7 @@ static inline int super_blocks(int type)
 
 /* Weights in one block (256 in a K-quant's super-block, else 32), the block's bytes, and where a
  * 32-weight block's quants start. */
-static inline int64_t block_weights(int type)
+static inline int64_t weights_per_block(int type)
 {
     return super_blocks(type) ? 256 : 32;
 }
@@ -357,7 +357,7 @@ static void stream_rows(
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     const int64_t blocks = k / 32;
-    const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
+    const int64_t row_bytes = k / weights_per_block(type) * block_bytes(type);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *row = w + o * row_bytes;
@@ -471,7 +471,7 @@ static float *thread_scratch(float **scratch, int64_t *capacity, int64_t floats)
 static void widen_panel(const uint8_t *w, int type, int bf16, int64_t first, int64_t outs, int64_t k, float *panel)
 {
     const int64_t blocks = k / 32;
-    const int64_t row_bytes = k / block_weights(type) * block_bytes(type);
+    const int64_t row_bytes = k / weights_per_block(type) * block_bytes(type);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *row = w + (first + o) * row_bytes;
 #define WIDEN_ROW(T, B) widen_row(row, blocks, T, B, panel + o * k)
@@ -543,7 +543,7 @@ static int block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
-    if (!known_type(type) || k % block_weights(type) != 0) return -1;
+    if (!known_type(type) || k % weights_per_block(type) != 0) return -1;
     /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
      * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
     const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
