@@ -305,6 +305,17 @@ def load_block_linear() -> BlockLinear:
         return BlockLinear(dict(_loaded))
 
 
+def block_linear_entry(dtype: torch.dtype) -> int:
+    """The address of the kernel's C entry for x in `dtype` (float32 or bfloat16), for C code that
+    calls it directly (the decode stack, kernels/cpu_stack.py); KernelBuildError where it cannot
+    run."""
+    load_block_linear()
+    function: Any = _loaded[dtype]  # the ctypes function itself
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
 __all__ = [
     "BF16",
     "BLOCK_BYTES",
@@ -326,6 +337,7 @@ __all__ = [
     "BlockWeight",
     "Blocks",
     "KernelBuildError",
+    "block_linear_entry",
     "concat_rows",
     "load_block_linear",
     "row_bytes",

@@ -33,7 +33,7 @@ import torch
 
 from kernels import cpu_pair_linear
 from kernels._launch import require
-from kernels.cpu_block_linear import BlockRows, Blocks
+from kernels.cpu_block_linear import BlockRows, Blocks, block_linear_entry
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
 
@@ -420,6 +420,9 @@ def load_cpu_decode_stack(
                     raise KernelBuildError(f"the block-linear decode stack needs {', '.join(missing)}")
                 bf16 = int(dtype == torch.bfloat16)
                 library = load(build("decode_stack.c", {**shape, "ELEM_BF16": bf16, "BLOCK_LINEAR": 1}))
+                # Its linears call the block linear's own library (built once for every shape).
+                library.duoserve_decode_stack_use_block_linear.argtypes = [ctypes.c_void_p]
+                library.duoserve_decode_stack_use_block_linear(block_linear_entry(dtype))
                 engine = None
             else:
                 library, engine = load_engine(

@@ -189,16 +189,19 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins)))));
 }
 
-/* Group g (of 8; a constant once the caller's loop is unrolled, so that every shift is) of a
- * K-quant super-block as float32 in w[0..3], to the values the gguf package's float32
- * dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
- * q * (d * sc) are exact: 11 + 6 + 5 bits), Q6_K (d * scale) * (q - 32), exact (11 + 8 + 6 bits). */
+/* Group g of a K-quant super-block as float32 in w[0..3], to the values the gguf package's
+ * float32 dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
+ * q * (d * sc) are exact: 11 + 6 + 5 bits), Q6_K (d * scale) * (q - 32), exact (11 + 8 + 6 bits).
+ * g is 2 * index + part (Q4_K, Q5_K: the pair of groups sharing their quants' bytes, low nibbles
+ * then high) or 4 * index + part (Q6_K: the half of the super-block, then the group in it); part
+ * is a constant, so that every shift is. */
 static inline __attribute__((always_inline)) void widen_group(
-    const uint8_t *block, const int g, const int type, const super_scales *s, __m256 w[4])
+    const uint8_t *block, const int64_t index, const int part, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     if (type == TYPE_Q6_K) {
-        const int h = g >> 2, t = g & 3;
+        const int64_t h = index, g = 4 * index + part;
+        const int t = part;
         __m256i low = _mm256_loadu_si256((const __m256i *)(block + 64 * h + 32 * (t & 1)));
         low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(low, 4) : low, nibble);
         __m256i high = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
@@ -212,8 +215,9 @@ static inline __attribute__((always_inline)) void widen_group(
         w[3] = _mm256_mul_ps(w[3], second);
         return;
     }
-    __m256i q = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q5_K ? 48 : 16) + 32 * (g >> 1)));
-    q = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(q, 4) : q, nibble);
+    const int64_t g = 2 * index + part;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q5_K ? 48 : 16) + 32 * index));
+    q = _mm256_and_si256(part ? _mm256_srli_epi16(q, 4) : q, nibble);
     if (type == TYPE_Q5_K) { /* bit g of qh[j]: 16 on weight j */
         const __m256i bit = _mm256_set1_epi8((char)(1 << g));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(block + 16));
@@ -285,6 +289,49 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
 }
 
+/* Runs BODY with `b` the index of each 32-weight group of a row of `blocks` groups and `w` its
+ * weights widened (with `bf16`, rounded to bfloat16). A K-quant super-block's scales are worked
+ * out once for its 8 groups, which come in runs that share their shifts' constants (GROUP). */
+#define FOR_EACH_GROUP(row, blocks, type, bf16, ...)                                                 \
+    do {                                                                                             \
+        if (super_blocks(type)) {                                                                    \
+            for (int64_t first = 0; first < (blocks); first += 8) {                                  \
+                const uint8_t *block = (row) + (first >> 3) * block_bytes(type);                     \
+                super_scales scales;                                                                 \
+                prepare_super(block, type, &scales);                                                 \
+                if (type == TYPE_Q6_K) {                                                             \
+                    for (int64_t index = 0; index < 2; index++) {                                    \
+                        GROUP(4, 0, __VA_ARGS__)                                                     \
+                        GROUP(4, 1, __VA_ARGS__)                                                     \
+                        GROUP(4, 2, __VA_ARGS__)                                                     \
+                        GROUP(4, 3, __VA_ARGS__)                                                     \
+                    }                                                                                \
+                } else {                                                                             \
+                    for (int64_t index = 0; index < 4; index++) {                                    \
+                        GROUP(2, 0, __VA_ARGS__)                                                     \
+                        GROUP(2, 1, __VA_ARGS__)                                                     \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+        } else {                                                                                     \
+            for (int64_t b = 0; b < (blocks); b++) {                                                 \
+                __m256 w[4];                                                                         \
+                widen((row) + b * block_bytes(type), type, bf16, w);                                 \
+                __VA_ARGS__                                                                          \
+            }                                                                                        \
+        }                                                                                            \
+    } while (0)
+/* Group `per` * index + part of the super-block at `block`, in FOR_EACH_GROUP. */
+#define GROUP(per, part, ...)                                                                        \
+    {                                                                                                \
+        const int64_t b = first + (per) * index + (part);                                            \
+        __m256 w[4];                                                                                 \
+        widen_group(block, index, part, type, &scales, w);                                           \
+        if (bf16)                                                                                    \
+            for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);                                     \
+        __VA_ARGS__                                                                                  \
+    }
+
 /*
  * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks widened as `bf16`
  * says (all three constants once inlined). Chains of additions: four per row for one or two rows, two per row past that, so
@@ -298,35 +345,13 @@ static inline __attribute__((always_inline)) void pass(
     __m256 acc[STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chains; c++) acc[r][c] = _mm256_setzero_ps();
-#define ACCUMULATE(b)                                                                                      \
-    for (int r = 0; r < rows; r++) {                                                                        \
-        const float *xb = x + r * x_stride + 32 * (b);                                                      \
-        for (int j = 0; j < 4; j++)                                                                         \
-            acc[r][j % chains] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % chains]);    \
-    }
-    if (super_blocks(type)) {
-        for (int64_t b = 0; b < blocks; b += 8) {
-            const uint8_t *block = row + (b >> 3) * block_bytes(type);
-            super_scales scales;
-            prepare_super(block, type, &scales);
-#pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                __m256 w[4];
-                widen_group(block, g, type, &scales, w);
-                if (bf16)
-                    for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);
-                ACCUMULATE(b + g)
-            }
+    FOR_EACH_GROUP(row, blocks, type, bf16, {
+        for (int r = 0; r < rows; r++) {
+            const float *xb = x + r * x_stride + 32 * b;
+            for (int j = 0; j < 4; j++)
+                acc[r][j % chains] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % chains]);
         }
-    } else {
-        const int64_t size = block_bytes(type);
-        for (int64_t b = 0; b < blocks; b++) {
-            __m256 w[4];
-            widen(row + b * size, type, bf16, w);
-            ACCUMULATE(b)
-        }
-    }
-#undef ACCUMULATE
+    });
     for (int r = 0; r < rows; r++) {
         __m256 total = acc[r][0];
         for (int c = 1; c < chains; c++) total = _mm256_add_ps(total, acc[r][c]);
@@ -387,26 +412,9 @@ static void stream_rows(
 static inline __attribute__((always_inline)) void widen_row(
     const uint8_t *row, int64_t blocks, const int type, const int bf16, float *out)
 {
-    if (super_blocks(type)) {
-        for (int64_t b = 0; b < blocks; b += 8) {
-            const uint8_t *block = row + (b >> 3) * block_bytes(type);
-            super_scales scales;
-            prepare_super(block, type, &scales);
-#pragma GCC unroll 8
-            for (int g = 0; g < 8; g++) {
-                __m256 w[4];
-                widen_group(block, g, type, &scales, w);
-                for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * (b + g) + 8 * j, bf16 ? round_bf16(w[j]) : w[j]);
-            }
-        }
-        return;
-    }
-    const int64_t size = block_bytes(type);
-    for (int64_t b = 0; b < blocks; b++) {
-        __m256 w[4];
-        widen(row + b * size, type, bf16, w);
+    FOR_EACH_GROUP(row, blocks, type, bf16, {
         for (int j = 0; j < 4; j++) _mm256_store_ps(out + 32 * b + 8 * j, w[j]);
-    }
+    });
 }
 
 /* y[r][o] = x[r] . w[o] (+ bias[o]) for r < rows and o < outs (at most TILE_ROWS and TILE_OUTS;

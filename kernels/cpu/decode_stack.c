@@ -23,14 +23,20 @@
 #include "paged_decode_attention.c"
 
 #if BLOCK_LINEAR
-#include "block_linear.c"
-/* y = x @ w.T (+ bias), w the `which` linear's blocks of the layer; in bfloat16, x and the bias
- * widened to float32 and y rounded back (duoserve_block_linear_bf16). */
-#if ELEM_BF16
-#define BLOCK_LINEAR_CALL duoserve_block_linear_bf16
-#else
-#define BLOCK_LINEAR_CALL duoserve_block_linear
-#endif
+/* y = x @ w.T (+ bias), w the `which` linear's blocks of the layer: the block linear
+ * (kernels/cpu/block_linear.c), built and loaded as a library of its own, whose entry for this
+ * element type (duoserve_block_linear, or duoserve_block_linear_bf16: x and the bias widened to
+ * float32, y rounded back) kernels/cpu_stack.py hands to duoserve_decode_stack_use_block_linear
+ * when it loads this one. So the block linear is compiled once, not again for every attention
+ * shape's stack. */
+typedef int (*block_linear_entry)(const elem_t *x, int64_t x_stride, const uint8_t *w, int type, const elem_t *bias,
+                                  elem_t *y, int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads);
+static block_linear_entry block_linear = NULL;
+void duoserve_decode_stack_use_block_linear(block_linear_entry entry)
+{
+    block_linear = entry;
+}
+#define BLOCK_LINEAR_CALL block_linear
 #define LINEAR(layer, which, x, in, bias, y, rows, out, threads)                                                   \
     BLOCK_LINEAR_CALL(x, in, (const uint8_t *)(layer)->which, (layer)->which##_type, bias, y, out, rows, out, in, \
                       threads)

@@ -118,6 +118,24 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+def serve_greedy(
+    server: ServerProcess, texts: list[str], max_tokens: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each text tokenized by the server and generated greedily for max_tokens (end-of-sequence
+    tokens taken like any other), one request at a time; then the server stopped, which must
+    exit cleanly. (prompts, outputs) as token ids."""
+    try:
+        with Client(server.target) as client:
+            prompts = [client.tokenize(text) for text in texts]
+            outputs = [
+                client.generate(prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True).token_ids
+                for p in prompts
+            ]
+    finally:
+        assert server.stop() == 0
+    return prompts, outputs
+
+
 def chat(client: Client, prompt: str, **options: object) -> object:
     options.setdefault("max_tokens", MAX_TOKENS)
     return client.chat([("user", prompt)], **options)

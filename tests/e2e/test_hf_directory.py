@@ -15,7 +15,7 @@ import pytest
 from duoserve_client import Client
 from gpu_worker.linear import block_kernel
 from scheduler.model_files import find_default_model
-from tests.e2e.harness import ServerProcess, start_server
+from tests.e2e.harness import ServerProcess, serve_greedy, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -117,15 +117,8 @@ def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloa
     bfloat16 tensors on the block kernel (half the bytes of float32 copies); greedy output equals
     transformers' float32 on the same (exactly widened) weights."""
     server = start_server("--model", str(tiny_bfloat16_dir), "--dtype", "float32", "--metrics-port", "0")
-    try:
-        with Client(server.target) as client:
-            prompts = [client.tokenize(f"Question {i}: " + "why " * (i * 5)) for i in range(4)]
-            served = [
-                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
-                for p in prompts
-            ]
-    finally:
-        assert server.stop() == 0
+    texts = [f"Question {i}: " + "why " * (i * 5) for i in range(4)]
+    prompts, served = serve_greedy(server, texts, NEW_TOKENS)
     if block_kernel() is not None:
         assert "9 of 9 linears take the block kernel for steps of up to 256 rows (9 BF16)" in server.log()
     assert served == reference(tiny_bfloat16_dir, prompts)
@@ -145,15 +138,7 @@ def test_bfloat16_directory_on_its_tensors_alone(tiny_bfloat16_dir: Path) -> Non
         "--metrics-port",
         "0",
     )
-    try:
-        with Client(server.target) as client:
-            prompts = [client.tokenize("Long question: " + "and why " * 150), client.tokenize("Short one?")]
-            served = [
-                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
-                for p in prompts
-            ]
-    finally:
-        assert server.stop() == 0
+    prompts, served = serve_greedy(server, ["Long question: " + "and why " * 150, "Short one?"], NEW_TOKENS)
     assert len(prompts[0]) > 256
     if block_kernel() is not None:
         assert "9 of 9 linears take the block kernel" in server.log()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from duoserve_client import Client
 from gpu_worker.linear import block_kernel
-from tests.e2e.harness import start_server
+from tests.e2e.harness import serve_greedy, start_server
 
 NEW_TOKENS = 12
 
@@ -39,18 +38,8 @@ def test_a_q4_k_m_file_is_served_on_its_blocks_alone(smollm2_q4_k_m: Path) -> No
     server = start_server(
         "--model", str(smollm2_q4_k_m), "--dtype", "float32", "--dense-weights", "drop", "--metrics-port", "0"
     )
-    try:
-        with Client(server.target) as client:
-            prompts = [
-                client.tokenize("Tell me about the sea, " + "and the waves " * 100),
-                client.tokenize("What is the capital of France?"),
-            ]
-            served = [
-                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
-                for p in prompts
-            ]
-    finally:
-        assert server.stop() == 0
+    texts = ["Tell me about the sea, " + "and the waves " * 100, "What is the capital of France?"]
+    prompts, served = serve_greedy(server, texts, NEW_TOKENS)
     assert len(prompts[0]) > 256
     if block_kernel() is not None:
         log = server.log()
