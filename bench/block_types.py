@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import k_quants
 from gpu_worker.linear import Linear, block_kernel, packed_linear_available
-from kernels.cpu_block_linear import K_QUANTS, BlockWeight
+from kernels.cpu_block_linear import BlockWeight
 
 HIDDEN, KV, FFN = 2048, 512, 8192
 SHAPES = {
@@ -41,14 +41,8 @@ TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0"]
 
 
 def quantized(type_name: str, dense: np.ndarray) -> BlockWeight:
-    number = int(gguf.GGMLQuantizationType[type_name])
-    if number in K_QUANTS:
-        blocks = k_quants.quantize(dense, type_name)
-    else:
-        blocks = gguf.quants.quantize(dense, gguf.GGMLQuantizationType[type_name])
-    return BlockWeight(
-        number, torch.from_numpy(np.ascontiguousarray(blocks).reshape(dense.shape[0], -1)), dense.shape[1]
-    )
+    blocks = k_quants.write_blocks(dense, type_name)
+    return BlockWeight(int(gguf.GGMLQuantizationType[type_name]), torch.from_numpy(blocks), dense.shape[1])
 
 
 def main() -> int:

@@ -9,14 +9,29 @@ further from the originals; what a reader makes of the blocks is the same. Layou
 kernels/cpu/block_linear.c.
 
     blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
+    blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
-SUPER = 256
-BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+from kernels.cpu_block_linear import BLOCK_BYTES, K_QUANTS, TYPE_NAMES, weights_per_block
+
+SUPER = weights_per_block(K_QUANTS[0])
+BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in K_QUANTS}
+
+
+def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
+    """`weight` (float32 [n, k]) as a GGUF file stores it in `type_name`, uint8 [n, bytes per row]:
+    the K-quants written here, every other type by the gguf package (F16 as its elements' bytes)."""
+    if type_name in BYTES:
+        return quantize(weight, type_name)
+    blocks = gguf.quants.quantize(
+        np.ascontiguousarray(weight, dtype=np.float32), gguf.GGMLQuantizationType[type_name]
+    )
+    return np.ascontiguousarray(blocks).view(np.uint8).reshape(weight.shape[0], -1)
 
 
 def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:

@@ -44,12 +44,6 @@ def matrix_type(type_name: str, kind: str, layer: int, layers: int, k: int) -> s
     return type_name
 
 
-def quantize(dense: np.ndarray, type_name: str) -> np.ndarray:
-    if type_name in k_quants.BYTES:
-        return k_quants.quantize(dense, type_name)
-    return gguf.quants.quantize(dense, gguf.GGMLQuantizationType[type_name])
-
-
 def requantize(source: Path, target: Path, type_name: str) -> dict[str, int]:
     """`source` with its layer matrices in `type_name`, written to `target`; the count of layer
     matrices written in each type."""
@@ -73,7 +67,7 @@ def requantize(source: Path, target: Path, type_name: str) -> dict[str, int]:
             chosen = matrix_type(type_name, matrix[2], int(matrix[1]), layers, dense.shape[1])
             counts[chosen] = counts.get(chosen, 0) + 1
             writer.add_tensor(
-                tensor.name, quantize(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]
+                tensor.name, k_quants.write_blocks(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]
             )
         else:
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)

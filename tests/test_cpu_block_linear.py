@@ -72,11 +72,7 @@ def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
     """A random [n, k] weight quantized by the gguf package (the K-quants by bench/k_quants.py), as
     a GGUF file stores it (its bytes: the package gives F16 as float16 elements)."""
     dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
-    if type_ in K_QUANTS:
-        blocks = k_quants.quantize(dense, TYPE_NAMES[type_])
-    else:
-        blocks = np.ascontiguousarray(gguf.quants.quantize(dense, TYPES[type_])).view(np.uint8)
-    return BlockWeight(type_, torch.from_numpy(blocks.reshape(n, -1)), k)
+    return BlockWeight(type_, torch.from_numpy(k_quants.write_blocks(dense, TYPE_NAMES[type_])), k)
 
 
 @pytest.fixture(scope="module")
