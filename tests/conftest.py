@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,16 +20,31 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
-def smollm2_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2 requantized by bench/requantize_gguf.py to llama.cpp's Q4_K_M mix: ffn_down's
-    1536-long rows in Q4_K and Q6_K super-blocks, the 576-long ones in Q5_0, attn_v in Q8_0 in
-    the layers given more bits (so q/k/v differ in type there). Written once per session."""
-    path = tmp_path_factory.mktemp("q4_k_m") / "smollm2-q4_k_m.gguf"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "requantize_gguf.py"), str(path), "--type", "Q4_K_M"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert "16 Q4_K, 166 Q5_0, 14 Q6_K, 14 Q8_0" in done.stdout
+def requantized_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, str]]:
+    """SmolLM2 requantized by bench/requantize_gguf.py to a block type or mix (its `--type`): the
+    file, and the script's count of layer matrices by type. Each type is written once per session."""
+    written: dict[str, tuple[Path, str]] = {}
+
+    def requantized(type_name: str) -> tuple[Path, str]:
+        if type_name not in written:
+            path = tmp_path_factory.mktemp(type_name.lower()) / f"smollm2-{type_name.lower()}.gguf"
+            done = subprocess.run(
+                [sys.executable, str(REPO / "bench" / "requantize_gguf.py"), str(path), "--type", type_name],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            written[type_name] = path, done.stdout
+        return written[type_name]
+
+    return requantized
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4_k_m(requantized_smollm2: Callable[[str], tuple[Path, str]]) -> Path:
+    """SmolLM2 in llama.cpp's Q4_K_M mix: ffn_down's 1536-long rows in Q4_K and Q6_K
+    super-blocks, the 576-long ones in Q5_0, attn_v in Q8_0 in the layers given more bits (so
+    q/k/v differ in type there)."""
+    path, written = requantized_smollm2("Q4_K_M")
+    assert "16 Q4_K, 166 Q5_0, 14 Q6_K, 14 Q8_0" in written
     return path

@@ -1,6 +1,6 @@
 """The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks, on
-Q4_K/Q5_K/Q6_K super-blocks (written by bench/k_quants.py) and on F16/BF16 weights, and its bfloat16
-entry (x widened, y rounded once)."""
+IQ4_NL blocks and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks (those written by bench/k_quants.py)
+and on F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ from kernels.cpu_block_linear import (
     BLOCK_BYTES,
     DTYPES,
     F16,
-    K_QUANTS,
+    IQ4_NL,
+    IQ4_XS,
+    Q2_K,
+    Q3_K,
     Q4_0,
     Q4_1,
     Q4_K,
@@ -36,6 +39,7 @@ from kernels.cpu_block_linear import (
     Q5_K,
     Q6_K,
     Q8_0,
+    SUPER_BLOCKS,
     TYPE_NAMES,
     BlockLinear,
     BlockRows,
@@ -55,22 +59,27 @@ TYPES = {
     Q5_0: gguf.GGMLQuantizationType.Q5_0,
     Q5_1: gguf.GGMLQuantizationType.Q5_1,
     Q8_0: gguf.GGMLQuantizationType.Q8_0,
+    IQ4_NL: gguf.GGMLQuantizationType.IQ4_NL,
+    Q2_K: gguf.GGMLQuantizationType.Q2_K,
+    Q3_K: gguf.GGMLQuantizationType.Q3_K,
     Q4_K: gguf.GGMLQuantizationType.Q4_K,
     Q5_K: gguf.GGMLQuantizationType.Q5_K,
     Q6_K: gguf.GGMLQuantizationType.Q6_K,
+    IQ4_XS: gguf.GGMLQuantizationType.IQ4_XS,
     F16: gguf.GGMLQuantizationType.F16,
     BF16: gguf.GGMLQuantizationType.BF16,
 }
 
 
 def whole(type_: int, k: int) -> int:
-    """k rounded up to whole blocks of the type (a K-quant's 256)."""
+    """k rounded up to whole blocks of the type (a super-block's 256)."""
     return -(-k // weights_per_block(type_)) * weights_per_block(type_)
 
 
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
-    """A random [n, k] weight quantized by the gguf package (the K-quants by bench/k_quants.py), as
-    a GGUF file stores it (its bytes: the package gives F16 as float16 elements)."""
+    """A random [n, k] weight quantized by the gguf package (the K-quants and IQ4 types by
+    bench/k_quants.py), as a GGUF file stores it (its bytes: the package gives F16 as float16
+    elements)."""
     dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
     return BlockWeight(type_, torch.from_numpy(k_quants.write_blocks(dense, TYPE_NAMES[type_])), k)
 
@@ -94,8 +103,12 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
     assert torch.equal(weight.dequantize(), torch.from_numpy(want).float())
 
 
-@pytest.mark.parametrize("type_", K_QUANTS)
-def test_k_quant_blocks_hold_the_weight_they_were_written_from(type_: int) -> None:
+WRITTEN = (*SUPER_BLOCKS, IQ4_NL)  # the types bench/k_quants.py writes
+BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4}
+
+
+@pytest.mark.parametrize("type_", WRITTEN)
+def test_written_blocks_hold_the_weight_they_were_written_from(type_: int) -> None:
     """bench/k_quants.py writes blocks that the gguf package reads back as the weight, to its
     quantization's error: every scale, minimum and quant bit where the layout puts it."""
     rng = np.random.default_rng(type_)
@@ -108,16 +121,15 @@ def test_k_quant_blocks_hold_the_weight_they_were_written_from(type_: int) -> No
     assert blocks.shape == (24, row_bytes(type_, 512)) and blocks.dtype == np.uint8
     back = gguf.quants.dequantize(blocks, TYPES[type_]).reshape(24, 512)
     assert np.all(back[4] == 0.0)
-    bits = {Q4_K: 4, Q5_K: 5, Q6_K: 6}[type_]
     for row in (0, 3, 5, 6, 7):  # within a few steps of a group's range, relative to the row
         error = np.abs(back[row] - dense[row]).max() / np.abs(dense[row]).max()
-        assert error < 4 / 2**bits, (row, error)
+        assert error < 4 / 2 ** BITS[type_], (row, error)
     mean = np.abs(back - dense).mean() / np.abs(dense).mean()
-    assert mean < {Q4_K: 0.1, Q5_K: 0.05, Q6_K: 0.025}[type_]
+    assert mean < 1.6 / 2 ** BITS[type_]
     with pytest.raises(ValueError, match="weight"):
         k_quants.quantize(dense[:, :300], TYPE_NAMES[type_])
     with pytest.raises(ValueError, match="type_name"):
-        k_quants.quantize(dense, "Q3_K")
+        k_quants.quantize(dense, "IQ2_XS")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -232,7 +244,7 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(10, torch.zeros(4, 84, dtype=torch.uint8), 256)  # Q2_K: not a block kernel type
+        BlockWeight(16, torch.zeros(4, 66, dtype=torch.uint8), 256)  # IQ2_XXS: not a block kernel type
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"k: got 288, expected a positive multiple of 256 for Q4_K"):
@@ -380,13 +392,17 @@ def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
     assert load_block_weights(tmp_path / "small.gguf", None, sixteen_bit=False) == {}  # type: ignore[arg-type]
 
 
-def test_gguf_k_quant_weights_are_blocks(tmp_path: Path) -> None:
-    """Q4_K/Q5_K/Q6_K tensors of a GGUF file come as blocks, the values load_model dequantizes."""
+def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
+    """K-quant and IQ4 tensors of a GGUF file come as blocks, the values load_model dequantizes."""
     rng = np.random.default_rng(1)
     stored = {
         "blk.0.attn_output.weight": ("Q4_K", rng.standard_normal((64, 256), dtype=np.float32)),
         "blk.0.ffn_down.weight": ("Q6_K", rng.standard_normal((256, 512), dtype=np.float32)),
         "blk.0.ffn_up.weight": ("Q5_K", rng.standard_normal((512, 256), dtype=np.float32)),
+        "blk.0.ffn_gate.weight": ("Q3_K", rng.standard_normal((512, 256), dtype=np.float32)),
+        "blk.1.ffn_up.weight": ("Q2_K", rng.standard_normal((256, 256), dtype=np.float32)),
+        "blk.1.attn_output.weight": ("IQ4_NL", rng.standard_normal((64, 256), dtype=np.float32)),
+        "blk.0.attn_v.weight": ("IQ4_XS", rng.standard_normal((64, 256), dtype=np.float32)),
     }
     writer = gguf.GGUFWriter(tmp_path / "k.gguf", arch="llama")
     for name, (type_name, dense) in stored.items():
@@ -401,6 +417,10 @@ def test_gguf_k_quant_weights_are_blocks(tmp_path: Path) -> None:
         "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
         "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
         "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+        "blk.1.ffn_up.weight": "model.layers.1.mlp.up_proj.weight",
+        "blk.1.attn_output.weight": "model.layers.1.self_attn.o_proj.weight",
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
     }
     assert set(blocks) == set(names.values())
     for gguf_name, (type_name, dense) in stored.items():

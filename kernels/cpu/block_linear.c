@@ -1,7 +1,7 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), or 16-bit floats (F16, BF16: a GGUF
- * file's or a safetensors checkpoint's). A decode step streams every weight once and does two flops
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS), or 16-bit
+ * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every weight once and does two flops
  * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
  *
@@ -11,24 +11,35 @@
  *   Q4_1: fp16 d, fp16 m, uint8 q[16]             w[j] = d * nibble[j] + m
  *   Q5_0: fp16 d, uint32 h, uint8 q[16]           w[j] = d * (five[j] - 16)
  *   Q5_1: fp16 d, fp16 m, uint32 h, uint8 q[16]   w[j] = d * five[j] + m
+ *   IQ4_NL: fp16 d, uint8 q[16]                   w[j] = d * NL[nibble[j]]
  *   F16:  fp16 h[32]                              w[j] = h[j]
  *   BF16: bf16 h[32]                              w[j] = h[j]
  * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after, and
- * five[j] is nibble[j] + 16 * (bit j of h, little-endian).
+ * five[j] is nibble[j] + 16 * (bit j of h, little-endian). NL is ggml's table of 16 non-linear
+ * levels, -127 to 113.
  *
- * The K-quants keep 256 weights in a super-block of 8 groups of 32 (ggml's layouts):
+ * The K-quants and IQ4_XS keep 256 weights in a super-block of 8 groups of 32 (ggml's layouts):
+ *   Q2_K: uint8 scales[16], uint8 qs[64], fp16 d, fp16 dmin                  (84 bytes)
+ *   Q3_K: uint8 hmask[32], uint8 qs[64], uint8 scales[12], fp16 d            (110 bytes)
  *   Q4_K: fp16 d, fp16 dmin, uint8 scales[12], uint8 qs[128]                 (144 bytes)
  *   Q5_K: fp16 d, fp16 dmin, uint8 scales[12], uint8 qh[32], uint8 qs[128]   (176 bytes)
  *   Q6_K: uint8 ql[128], uint8 qh[64], int8 scales[16], fp16 d               (210 bytes)
+ *   IQ4_XS: fp16 d, uint16 scales_h, uint8 scales_l[4], uint8 qs[128]        (136 bytes)
  * Q4_K/Q5_K: group g's weight j is d * sc[g] * q - dmin * m[g], with sc and m 6-bit numbers packed
  * in `scales` (prepare_super), q the low (g even) or high (g odd) nibble of qs[32 * (g / 2) + j],
  * plus 16 for bit g of qh[j] in Q5_K. Q6_K: group g = 4h + t's weight j is d * scales[8h + 2t +
  * j / 16] * (q - 32), q the nibble of ql[64h + 32 * (t % 2) + j] (low for t < 2) and two more bits
- * from qh[32h + j] >> 2t. The kernel takes such weights group by group, like the 32-weight blocks.
+ * from qh[32h + j] >> 2t. Q2_K/Q3_K: group g = 4h + t's weight j takes q from two bits of qs[32h
+ * + j] >> 2t and the scale of its 16 (g * 2 + j / 16): Q2_K d * (scale & 15) * q - dmin * (scale >>
+ * 4), Q3_K d * (s - 32) * (q - 4 + 4 * (bit g of hmask[j])), s a 6-bit number packed in `scales`.
+ * IQ4_XS: group g's weight j is d * (s - 32) * NL[q], q the low (j < 16) or high nibble of qs[16g
+ * + j % 16], s a 6-bit number from scales_l and scales_h. The kernel takes such weights group by
+ * group, like the 32-weight blocks.
  *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
- * gives (d * q is exact: an fp16 times an integer of at most 8 bits fits float32's mantissa; the
- * additive term joins with one rounding; 16-bit floats widen exactly), so the result is
+ * gives (d * q is exact: an fp16 times an integer of at most 8 bits, or d times a scale of at most 8
+ * bits times q, fits float32's mantissa; an additive term joins with one rounding; 16-bit floats
+ * widen exactly), so the result is
  * x @ dequantize(w).T with the additions in another order: equal to float32 rounding.
  *
  * Two paths, by the number of rows of x:
@@ -64,27 +75,42 @@ enum {
     TYPE_Q5_0 = 6,
     TYPE_Q5_1 = 7,
     TYPE_Q8_0 = 8,
+    TYPE_Q2_K = 10,
+    TYPE_Q3_K = 11,
     TYPE_Q4_K = 12,
     TYPE_Q5_K = 13,
     TYPE_Q6_K = 14,
+    TYPE_IQ4_NL = 20,
+    TYPE_IQ4_XS = 23,
     TYPE_BF16 = 30
 };
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the ten) and B the one equal to
- * `bf16` (0 or 1), so that each pair gets its own inlined copy of what CALL calls. BF16 weights
- * need no rounding to bfloat16, so they take B = 0 either way. */
-#define WITH_CONSTANTS(type, bf16, CALL)                                                             \
+/* Each build of this file serves one element type of x and y: BFLOAT16=1 builds
+ * duoserve_block_linear_bf16 (weights rounded to bfloat16), else duoserve_block_linear. Built
+ * apart, each compiles in half the time, and a worker builds only the one it multiplies in. */
+#ifndef BFLOAT16
+#define BFLOAT16 0
+#endif
+
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the fourteen) and B the build's
+ * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
+ * rounding to bfloat16, so they take B = 0 either way. */
+#define WITH_TYPE(type, CALL)                                                                        \
     do {                                                                                             \
         switch (type) {                                                                              \
-        case TYPE_Q8_0: if (bf16) CALL(TYPE_Q8_0, 1); else CALL(TYPE_Q8_0, 0); break;                \
-        case TYPE_Q4_1: if (bf16) CALL(TYPE_Q4_1, 1); else CALL(TYPE_Q4_1, 0); break;                \
-        case TYPE_Q4_0: if (bf16) CALL(TYPE_Q4_0, 1); else CALL(TYPE_Q4_0, 0); break;                \
-        case TYPE_Q5_1: if (bf16) CALL(TYPE_Q5_1, 1); else CALL(TYPE_Q5_1, 0); break;                \
-        case TYPE_Q5_0: if (bf16) CALL(TYPE_Q5_0, 1); else CALL(TYPE_Q5_0, 0); break;                \
-        case TYPE_Q4_K: if (bf16) CALL(TYPE_Q4_K, 1); else CALL(TYPE_Q4_K, 0); break;                \
-        case TYPE_Q5_K: if (bf16) CALL(TYPE_Q5_K, 1); else CALL(TYPE_Q5_K, 0); break;                \
-        case TYPE_Q6_K: if (bf16) CALL(TYPE_Q6_K, 1); else CALL(TYPE_Q6_K, 0); break;                \
-        case TYPE_F16: if (bf16) CALL(TYPE_F16, 1); else CALL(TYPE_F16, 0); break;                   \
+        case TYPE_Q8_0: CALL(TYPE_Q8_0, BFLOAT16); break;                                            \
+        case TYPE_Q4_1: CALL(TYPE_Q4_1, BFLOAT16); break;                                            \
+        case TYPE_Q4_0: CALL(TYPE_Q4_0, BFLOAT16); break;                                            \
+        case TYPE_Q5_1: CALL(TYPE_Q5_1, BFLOAT16); break;                                            \
+        case TYPE_Q5_0: CALL(TYPE_Q5_0, BFLOAT16); break;                                            \
+        case TYPE_IQ4_NL: CALL(TYPE_IQ4_NL, BFLOAT16); break;                                        \
+        case TYPE_Q2_K: CALL(TYPE_Q2_K, BFLOAT16); break;                                            \
+        case TYPE_Q3_K: CALL(TYPE_Q3_K, BFLOAT16); break;                                            \
+        case TYPE_Q4_K: CALL(TYPE_Q4_K, BFLOAT16); break;                                            \
+        case TYPE_Q5_K: CALL(TYPE_Q5_K, BFLOAT16); break;                                            \
+        case TYPE_Q6_K: CALL(TYPE_Q6_K, BFLOAT16); break;                                            \
+        case TYPE_IQ4_XS: CALL(TYPE_IQ4_XS, BFLOAT16); break;                                        \
+        case TYPE_F16: CALL(TYPE_F16, BFLOAT16); break;                                              \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
         }                                                                                            \
@@ -99,19 +125,20 @@ static inline float half_to_float(const uint8_t *p)
     return _cvtsh_ss(bits);
 }
 
+static inline int super_blocks(int type)
+{
+    return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
+           type == TYPE_IQ4_XS;
+}
+
 static inline int known_type(int type)
 {
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-           type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K || type == TYPE_F16 || type == TYPE_BF16;
+           type == TYPE_IQ4_NL || type == TYPE_F16 || type == TYPE_BF16 || super_blocks(type);
 }
 
-static inline int super_blocks(int type)
-{
-    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K;
-}
-
-/* Weights in one block (256 in a K-quant's super-block, else 32), the block's bytes, and where a
- * 32-weight block's quants start. */
+/* Weights in one block (256 in a super-block, else 32), the block's bytes, and where a 32-weight
+ * block's quants start. */
 static inline int64_t weights_per_block(int type)
 {
     return super_blocks(type) ? 256 : 32;
@@ -123,9 +150,13 @@ static inline int64_t block_bytes(int type)
            : type == TYPE_Q4_0 ? 18
            : type == TYPE_Q5_1 ? 24
            : type == TYPE_Q5_0 ? 22
+           : type == TYPE_IQ4_NL ? 18
+           : type == TYPE_Q2_K ? 84
+           : type == TYPE_Q3_K ? 110
            : type == TYPE_Q4_K ? 144
            : type == TYPE_Q5_K ? 176
            : type == TYPE_Q6_K ? 210
+           : type == TYPE_IQ4_XS ? 136
                                : 64;
 }
 static inline int64_t quants_at(int type)
@@ -146,6 +177,14 @@ static inline __m256i fifth_bits(const uint8_t *h)
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
+/* ggml's non-linear 4-bit levels (IQ4_NL, IQ4_XS) for the nibbles in the low halves of `nibbles`'
+ * bytes, as signed bytes. */
+static inline __m128i nl_levels(__m128i nibbles)
+{
+    const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm_shuffle_epi8(levels, nibbles);
+}
+
 /* The 32 bytes of v as float32, unsigned (or signed: `is_signed`), in w[0..3]. */
 static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, const int is_signed, __m256 w[4])
 {
@@ -155,15 +194,61 @@ static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, con
         w[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
 }
 
-/* A K-quant super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and
- * -(dmin * m) per group, Q6_K d * scale per 16 weights. */
+/* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
+ * group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32) and Q2_K d * (scale & 15)
+ * and -(dmin * (scale >> 4)) per 16 weights. */
 typedef struct {
     float times[16];
-    float minus[8];
+    float minus[16];
 } super_scales;
+
+/* The 16 unsigned bytes of v as float32 times `by`, in out[0..15]. */
+static inline void scaled_bytes(__m128i v, __m256 by, float *out)
+{
+    _mm256_storeu_ps(out, _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+}
 
 static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
 {
+    if (type == TYPE_Q2_K) { /* scale in the low nibble of scales[i], minimum in the high one */
+        const __m128i scales = _mm_loadu_si128((const __m128i *)block);
+        const __m128i nibble = _mm_set1_epi8(0x0f);
+        scaled_bytes(_mm_and_si128(scales, nibble), _mm256_set1_ps(half_to_float(block + 80)), s->times);
+        scaled_bytes(_mm_and_si128(_mm_srli_epi16(scales, 4), nibble), _mm256_set1_ps(-half_to_float(block + 82)),
+                     s->minus);
+        return;
+    }
+    if (type == TYPE_Q3_K) {
+        /* s_i - 32 for the 16 6-bit s_i: the low four bits in the low nibbles of scales[0..7] (i <
+         * 8) and then their high nibbles; the top two in bits 2 * (i / 4) of scales[8 + i % 4]. */
+        uint64_t low;
+        uint32_t high;
+        __builtin_memcpy(&low, block + 96, 8);
+        __builtin_memcpy(&high, block + 104, 4);
+        const uint64_t two = 0x0303030303030303ull, four = 0x0f0f0f0f0f0f0f0full;
+        const uint64_t first = (low & four) | (((high & two) | ((uint64_t)(high >> 2) & two) << 32) << 4);
+        const uint64_t second = ((low >> 4) & four) | ((((high >> 4) & two) | ((uint64_t)(high >> 6) & two) << 32) << 4);
+        const __m128i s6 = _mm_sub_epi8(_mm_set_epi64x((int64_t)second, (int64_t)first), _mm_set1_epi8(32));
+        const __m256 d = _mm256_set1_ps(half_to_float(block + 108));
+        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s6))));
+        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s6, 8)))));
+        return;
+    }
+    if (type == TYPE_IQ4_XS) {
+        /* group g's s: the nibble g % 2 of scales_l[g / 2], and bits 2g, 2g + 1 of scales_h on top */
+        uint16_t high;
+        uint32_t low;
+        __builtin_memcpy(&high, block + 2, 2);
+        __builtin_memcpy(&low, block + 4, 4);
+        int64_t packed = 0;
+        for (int g = 0; g < 8; g++)
+            packed |= (int64_t)(((low >> (4 * g)) & 15) | (((uint32_t)high >> (2 * g)) & 3) << 4) << (8 * g);
+        const __m128i s6 = _mm_sub_epi8(_mm_cvtsi64_si128(packed), _mm_set1_epi8(32));
+        const __m256 d = _mm256_set1_ps(half_to_float(block));
+        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s6))));
+        return;
+    }
     if (type == TYPE_Q6_K) {
         const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
         const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
@@ -189,16 +274,44 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins)))));
 }
 
-/* Group g of a K-quant super-block as float32 in w[0..3], to the values the gguf package's
- * float32 dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and
- * q * (d * sc) are exact: 11 + 6 + 5 bits), Q6_K (d * scale) * (q - 32), exact (11 + 8 + 6 bits).
+/* Group g of a super-block as float32 in w[0..3], to the values the gguf package's float32
+ * dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and q * (d *
+ * sc) are exact: 11 + 6 + 5 bits), Q2_K likewise (11 + 4 + 2 bits), Q6_K (d * scale) * (q - 32),
+ * Q3_K (d * (s - 32)) * q and IQ4_XS (d * (s - 32)) * NL[q], exact (at most 11 + 8 + 6 bits).
  * g is 2 * index + part (Q4_K, Q5_K: the pair of groups sharing their quants' bytes, low nibbles
- * then high) or 4 * index + part (Q6_K: the half of the super-block, then the group in it); part
- * is a constant, so that every shift is. */
+ * then high; IQ4_XS likewise) or 4 * index + part (Q6_K, Q3_K, Q2_K: the half of the super-block,
+ * then the group in it); part is a constant, so that every shift is. */
 static inline __attribute__((always_inline)) void widen_group(
     const uint8_t *block, const int64_t index, const int part, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
+    if (type == TYPE_Q2_K || type == TYPE_Q3_K) { /* group 4 * index + part, two bits at 2 * part */
+        const int64_t g = 4 * index + part;
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q3_K ? 32 : 16) + 32 * index));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * part), _mm256_set1_epi8(3));
+        if (type == TYPE_Q3_K) { /* q - 4, but q where bit g of hmask[j] is set */
+            const __m256i bit = _mm256_set1_epi8((char)(1 << g));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)block), bit), bit);
+            q = _mm256_sub_epi8(q, _mm256_andnot_si256(set, _mm256_set1_epi8(4)));
+        }
+        bytes_to_floats(q, type == TYPE_Q3_K, w);
+        for (int j = 0; j < 4; j++) {
+            const __m256 times = _mm256_broadcast_ss(s->times + 2 * g + j / 2);
+            w[j] = type == TYPE_Q3_K ? _mm256_mul_ps(w[j], times)
+                                     : _mm256_fmadd_ps(w[j], times, _mm256_broadcast_ss(s->minus + 2 * g + j / 2));
+        }
+        return;
+    }
+    if (type == TYPE_IQ4_XS) { /* group 2 * index + part: 16 bytes, low nibbles then high */
+        const int64_t g = 2 * index + part;
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 8 + 16 * g));
+        const __m128i low = _mm_and_si128(packed, _mm256_castsi256_si128(nibble));
+        const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm256_castsi256_si128(nibble));
+        bytes_to_floats(_mm256_set_m128i(nl_levels(high), nl_levels(low)), 1, w);
+        const __m256 times = _mm256_broadcast_ss(s->times + g);
+        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(w[j], times);
+        return;
+    }
     if (type == TYPE_Q6_K) {
         const int64_t h = index, g = 4 * index + part;
         const int t = part;
@@ -239,9 +352,9 @@ static inline __m256 round_bf16(__m256 v)
 }
 
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
- * d * q - 16d (Q5_0) or d * q (Q8_0) with one rounding, as dequantizing in float32 gives them
+ * d * q - 16d (Q5_0), d * q (Q8_0) or d * NL[q] (IQ4_NL) with one rounding, as dequantizing in float32 gives them
  * (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
- * bfloat16, as a bfloat16 copy of the dequantized weight holds them. (K-quants: widen_group.) */
+ * bfloat16, as a bfloat16 copy of the dequantized weight holds them. (Super-blocks: widen_group.) */
 static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
     if (type == TYPE_BF16) { /* the high halves of float32s */
@@ -269,6 +382,18 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         }
         return;
     }
+    if (type == TYPE_IQ4_NL) { /* low nibbles, then high, through the levels */
+        const __m128i packed = _mm_loadu_si128((const __m128i *)q);
+        const __m128i low_mask = _mm_set1_epi8(0x0f);
+        const __m128i low = nl_levels(_mm_and_si128(packed, low_mask));
+        const __m128i high = nl_levels(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));
+        bytes_to_floats(_mm256_set_m128i(high, low), 1, w);
+        for (int j = 0; j < 4; j++) {
+            w[j] = _mm256_mul_ps(w[j], scale);
+            if (bf16) w[j] = round_bf16(w[j]);
+        }
+        return;
+    }
     const int with_min = type == TYPE_Q4_1 || type == TYPE_Q5_1;
     const __m256 add = _mm256_set1_ps(with_min ? half_to_float(block + 2) : (type == TYPE_Q5_0 ? -16.0f : -8.0f) * d);
     const __m128i packed = _mm_loadu_si128((const __m128i *)q);
@@ -290,8 +415,9 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
 }
 
 /* Runs BODY with `b` the index of each 32-weight group of a row of `blocks` groups and `w` its
- * weights widened (with `bf16`, rounded to bfloat16). A K-quant super-block's scales are worked
- * out once for its 8 groups, which come in runs that share their shifts' constants (GROUP). */
+ * weights widened (with `bf16`, rounded to bfloat16). A super-block's scales are worked out once
+ * for its 8 groups, which come in runs that share their shifts' constants (GROUP): fours in Q6_K,
+ * Q3_K and Q2_K, pairs in Q4_K, Q5_K and IQ4_XS. */
 #define FOR_EACH_GROUP(row, blocks, type, bf16, ...)                                                 \
     do {                                                                                             \
         if (super_blocks(type)) {                                                                    \
@@ -299,7 +425,7 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
                 const uint8_t *block = (row) + (first >> 3) * block_bytes(type);                     \
                 super_scales scales;                                                                 \
                 prepare_super(block, type, &scales);                                                 \
-                if (type == TYPE_Q6_K) {                                                             \
+                if (type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K) {                   \
                     for (int64_t index = 0; index < 2; index++) {                                    \
                         GROUP(4, 0, __VA_ARGS__)                                                     \
                         GROUP(4, 1, __VA_ARGS__)                                                     \
@@ -378,7 +504,7 @@ static inline __attribute__((always_inline)) void output(
 
 /* The streaming path: each weight row read once from memory, for all rows of x in one pass. */
 static void stream_rows(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     const int64_t blocks = k / 32;
@@ -388,7 +514,7 @@ static void stream_rows(
         const uint8_t *row = w + o * row_bytes;
         const float b = bias == NULL ? 0.0f : bias[o];
 #define OUTPUT(T, B) output(x, x_stride, blocks, row, y, rows, y_stride, o, b, T, B)
-        WITH_CONSTANTS(type, bf16, OUTPUT);
+        WITH_TYPE(type, OUTPUT);
 #undef OUTPUT
     }
 }
@@ -476,14 +602,14 @@ static float *thread_scratch(float **scratch, int64_t *capacity, int64_t floats)
 
 /* Widen weight rows first .. first + outs - 1 into `panel` (row stride k), zero rows after them
  * up to a whole tile. */
-static void widen_panel(const uint8_t *w, int type, int bf16, int64_t first, int64_t outs, int64_t k, float *panel)
+static void widen_panel(const uint8_t *w, int type, int64_t first, int64_t outs, int64_t k, float *panel)
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = k / weights_per_block(type) * block_bytes(type);
     for (int64_t o = 0; o < outs; o++) {
         const uint8_t *row = w + (first + o) * row_bytes;
 #define WIDEN_ROW(T, B) widen_row(row, blocks, T, B, panel + o * k)
-        WITH_CONSTANTS(type, bf16, WIDEN_ROW);
+        WITH_TYPE(type, WIDEN_ROW);
 #undef WIDEN_ROW
     }
     for (int64_t o = outs; o < (outs + TILE_OUTS - 1) / TILE_OUTS * TILE_OUTS; o++)
@@ -503,7 +629,7 @@ static void columns_of(const float *x, int64_t x_stride, int64_t rows, int64_t f
 /* The tiled path, x copied into `xt` (ceil(rows / TILE_ROWS) * TILE_ROWS * k floats, 32-byte
  * aligned); -2 where a thread's panel cannot be had. */
 static int tiled_rows(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, float *xt, int threads)
 {
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
@@ -531,7 +657,7 @@ static int tiled_rows(
                 if (panel == NULL) continue;
                 const int64_t first = p * width;
                 const int64_t outs = n - first < width ? n - first : width;
-                widen_panel(w, type, bf16, first, outs, k, panel);
+                widen_panel(w, type, first, outs, k, panel);
                 for (int64_t g = band; g < band_end; g++) {
                     const int64_t r = g * TILE_ROWS;
                     const int tile_rows = rows - r < TILE_ROWS ? (int)(rows - r) : TILE_ROWS;
@@ -546,9 +672,9 @@ static int tiled_rows(
     return failed ? -2 : 0;
 }
 
-/* The product on weights widened as `bf16` says; see duoserve_block_linear. */
+/* The product on weights widened as the build says (BFLOAT16); see duoserve_block_linear. */
 static int block_linear(
-    const float *x, int64_t x_stride, const uint8_t *w, int type, int bf16, const float *bias, float *y,
+    const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     if (!known_type(type) || k % weights_per_block(type) != 0) return -1;
@@ -559,11 +685,11 @@ static int block_linear(
     if (tiled > 0) {
         float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
         if (xt == NULL) return -2;
-        const int status = tiled_rows(x, x_stride, w, type, bf16, bias, y, y_stride, tiled, n, k, xt, threads);
+        const int status = tiled_rows(x, x_stride, w, type, bias, y, y_stride, tiled, n, k, xt, threads);
         if (status != 0) return status;
     }
     if (tail > 0)
-        stream_rows(x + tiled * x_stride, x_stride, w, type, bf16, bias, y + tiled * y_stride, y_stride, tail, n, k,
+        stream_rows(x + tiled * x_stride, x_stride, w, type, bias, y + tiled * y_stride, y_stride, tail, n, k,
                     threads);
     return 0;
 }
@@ -575,12 +701,14 @@ static int block_linear(
  * tiled path (their time is the multiplies), but for a tail of up to STREAM_ROWS rows past whole
  * tiles. Returns 0, -1 for an unknown type or k not in whole blocks, -2 when scratch cannot be had.
  */
+#if !BFLOAT16
 int duoserve_block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y, int64_t y_stride,
     int64_t rows, int64_t n, int64_t k, int threads)
 {
-    return block_linear(x, x_stride, w, type, 0, bias, y, y_stride, rows, n, k, threads);
+    return block_linear(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
 }
+#else
 
 /* Scratch of the calling thread's for the bfloat16 entry: x, y and the bias in float32. */
 static __thread float *x_floats = NULL, *y_floats = NULL, *bias_floats = NULL;
@@ -609,10 +737,11 @@ int duoserve_block_linear_bf16(
         for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_float(x[r * x_stride + i]);
     if (bias != NULL)
         for (int64_t o = 0; o < n; o++) bf[o] = bf16_to_float(bias[o]);
-    const int status = block_linear(xf, k, w, type, 1, bf, yf, n, rows, n, k, threads);
+    const int status = block_linear(xf, k, w, type, bf, yf, n, rows, n, k, threads);
     if (status != 0) return status;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > CONVERT_ALONE)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < n; o++) y[r * y_stride + o] = float_to_bf16(yf[r * n + o]);
     return 0;
 }
+#endif
