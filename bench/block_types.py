@@ -1,10 +1,11 @@
 """The block kernel on each GGUF block type, side by side, on the linears of one decoder layer of a
 1B-class Llama (hidden 2048, 32 query and 8 KV heads of 64, ffn 8192: rows 256 long, so that
-the K-quants apply), against oneDNN's packed float32 kernel on the same weights.
+the super-block types apply), against oneDNN's packed float32 kernel on the same weights.
 
     .venv/bin/python bench/block_types.py [--rows 1 4 16 256] [--layers 2]
 
-Each type's weights are random, quantized by the gguf package (the K-quants by bench/k_quants.py).
+Each type's weights are random, quantized by the gguf package (the K-quants and IQ4 types by
+bench/k_quants.py).
 `--layers` copies of the layer are streamed in turn, so that a pass does not find the last one's
 weights in cache; the types take turns, medians of 7 passes. It prints milliseconds per layer,
 and for the decode-sized rows the bytes streamed per second.
@@ -37,7 +38,7 @@ SHAPES = {
     "gate_up": (2 * FFN, HIDDEN),
     "down": (HIDDEN, FFN),
 }
-TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0"]
+TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K"]
 
 
 def quantized(type_name: str, dense: np.ndarray) -> BlockWeight:

@@ -185,13 +185,20 @@ static inline __m128i nl_levels(__m128i nibbles)
     return _mm_shuffle_epi8(levels, nibbles);
 }
 
-/* The 32 bytes of v as float32, unsigned (or signed: `is_signed`), in w[0..3]. */
-static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, const int is_signed, __m256 w[4])
+/* The 16 bytes of `low`, then the 16 of `high`, as float32, unsigned (or signed: `is_signed`), in
+ * w[0..3]. */
+static inline __attribute__((always_inline)) void halves_to_floats(
+    __m128i low, __m128i high, const int is_signed, __m256 w[4])
 {
-    const __m128i low = _mm256_castsi256_si128(v), high = _mm256_extracti128_si256(v, 1);
     const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     for (int j = 0; j < 4; j++)
         w[j] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(parts[j]) : _mm256_cvtepu8_epi32(parts[j]));
+}
+
+/* The 32 bytes of v as float32, unsigned (or signed: `is_signed`), in w[0..3]. */
+static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, const int is_signed, __m256 w[4])
+{
+    halves_to_floats(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1), is_signed, w);
 }
 
 /* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
@@ -307,7 +314,7 @@ static inline __attribute__((always_inline)) void widen_group(
         const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 8 + 16 * g));
         const __m128i low = _mm_and_si128(packed, _mm256_castsi256_si128(nibble));
         const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm256_castsi256_si128(nibble));
-        bytes_to_floats(_mm256_set_m128i(nl_levels(high), nl_levels(low)), 1, w);
+        halves_to_floats(nl_levels(low), nl_levels(high), 1, w);
         const __m256 times = _mm256_broadcast_ss(s->times + g);
         for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(w[j], times);
         return;
@@ -387,7 +394,7 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         const __m128i low_mask = _mm_set1_epi8(0x0f);
         const __m128i low = nl_levels(_mm_and_si128(packed, low_mask));
         const __m128i high = nl_levels(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));
-        bytes_to_floats(_mm256_set_m128i(high, low), 1, w);
+        halves_to_floats(low, high, 1, w);
         for (int j = 0; j < 4; j++) {
             w[j] = _mm256_mul_ps(w[j], scale);
             if (bf16) w[j] = round_bf16(w[j]);
