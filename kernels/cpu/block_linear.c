@@ -209,11 +209,16 @@ typedef struct {
     float minus[16];
 } super_scales;
 
-/* The 16 unsigned bytes of v as float32 times `by`, in out[0..15]. */
-static inline void scaled_bytes(__m128i v, __m256 by, float *out)
+/* The first `count` (8 or 16) bytes of v, unsigned (or signed: `is_signed`), as float32 times `by`
+ * in out[0..count - 1]. */
+static inline __attribute__((always_inline)) void scaled_bytes(
+    __m128i v, const int is_signed, const int count, float by, float *out)
 {
-    _mm256_storeu_ps(out, _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
-    _mm256_storeu_ps(out + 8, _mm256_mul_ps(by, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+    for (int half = 0; half < count / 8; half++) {
+        const __m128i part = half ? _mm_srli_si128(v, 8) : v;
+        const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+        _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(_mm256_set1_ps(by), _mm256_cvtepi32_ps(ints)));
+    }
 }
 
 static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
@@ -221,9 +226,8 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     if (type == TYPE_Q2_K) { /* scale in the low nibble of scales[i], minimum in the high one */
         const __m128i scales = _mm_loadu_si128((const __m128i *)block);
         const __m128i nibble = _mm_set1_epi8(0x0f);
-        scaled_bytes(_mm_and_si128(scales, nibble), _mm256_set1_ps(half_to_float(block + 80)), s->times);
-        scaled_bytes(_mm_and_si128(_mm_srli_epi16(scales, 4), nibble), _mm256_set1_ps(-half_to_float(block + 82)),
-                     s->minus);
+        scaled_bytes(_mm_and_si128(scales, nibble), 0, 16, half_to_float(block + 80), s->times);
+        scaled_bytes(_mm_and_si128(_mm_srli_epi16(scales, 4), nibble), 0, 16, -half_to_float(block + 82), s->minus);
         return;
     }
     if (type == TYPE_Q3_K) {
@@ -237,9 +241,7 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
         const uint64_t first = (low & four) | (((high & two) | ((uint64_t)(high >> 2) & two) << 32) << 4);
         const uint64_t second = ((low >> 4) & four) | ((((high >> 4) & two) | ((uint64_t)(high >> 6) & two) << 32) << 4);
         const __m128i s6 = _mm_sub_epi8(_mm_set_epi64x((int64_t)second, (int64_t)first), _mm_set1_epi8(32));
-        const __m256 d = _mm256_set1_ps(half_to_float(block + 108));
-        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s6))));
-        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s6, 8)))));
+        scaled_bytes(s6, 1, 16, half_to_float(block + 108), s->times);
         return;
     }
     if (type == TYPE_IQ4_XS) {
@@ -251,18 +253,11 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
         int64_t packed = 0;
         for (int g = 0; g < 8; g++)
             packed |= (int64_t)(((low >> (4 * g)) & 15) | (((uint32_t)high >> (2 * g)) & 3) << 4) << (8 * g);
-        const __m128i s6 = _mm_sub_epi8(_mm_cvtsi64_si128(packed), _mm_set1_epi8(32));
-        const __m256 d = _mm256_set1_ps(half_to_float(block));
-        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s6))));
+        scaled_bytes(_mm_sub_epi8(_mm_cvtsi64_si128(packed), _mm_set1_epi8(32)), 1, 8, half_to_float(block), s->times);
         return;
     }
     if (type == TYPE_Q6_K) {
-        const __m256 d = _mm256_set1_ps(half_to_float(block + 208));
-        const __m128i scales = _mm_loadu_si128((const __m128i *)(block + 192));
-        const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(scales));
-        const __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(scales, 8)));
-        _mm256_storeu_ps(s->times, _mm256_mul_ps(d, first));
-        _mm256_storeu_ps(s->times + 8, _mm256_mul_ps(d, second));
+        scaled_bytes(_mm_loadu_si128((const __m128i *)(block + 192)), 1, 16, half_to_float(block + 208), s->times);
         return;
     }
     /* The 12 `scales` bytes: groups 0-3's scales and mins in the low six bits of bytes 0-3 and
@@ -276,9 +271,8 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     const uint32_t high_mins = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
     const int64_t scales = (int64_t)((uint64_t)(u0 & 0x3f3f3f3fu) | (uint64_t)high_scales << 32);
     const int64_t mins = (int64_t)((uint64_t)(u1 & 0x3f3f3f3fu) | (uint64_t)high_mins << 32);
-    const __m256 d = _mm256_set1_ps(half_to_float(block)), dmin = _mm256_set1_ps(-half_to_float(block + 2));
-    _mm256_storeu_ps(s->times, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(scales)))));
-    _mm256_storeu_ps(s->minus, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mins)))));
+    scaled_bytes(_mm_cvtsi64_si128(scales), 0, 8, half_to_float(block), s->times);
+    scaled_bytes(_mm_cvtsi64_si128(mins), 0, 8, -half_to_float(block + 2), s->minus);
 }
 
 /* Group g of a super-block as float32 in w[0..3], to the values the gguf package's float32
