@@ -11,7 +11,7 @@ run between layers). Two builds:
 - bfloat16, for batches of up to cpu_pair_linear.MAX_ROWS rows, its linear the pair-layout one
   built for the per-op path's engine (AMX tiles or AVX-512 BF16 dot products);
 - on blocks (`blocks=True`), for up to BLOCK_STACK_MAX_ROWS rows, its linear the block
-  kernel on the weights as the files store them (Q8_0/Q5_0/Q5_1/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/F16/BF16, AVX2): in float32, or
+  kernel on the weights as the files store them (its block types: kernels/cpu_block_linear.py; AVX2): in float32, or
   in bfloat16 for CPUs that cannot multiply bfloat16 (the linear widens its input and rounds its
   output; weights without quantized blocks are their own BF16 blocks). On a 2-core AMD
   EPYC (Zen 3) a one-sequence float32 SmolLM2 decode step took ~31 ms op by op, ~18 of them in

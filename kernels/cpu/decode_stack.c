@@ -12,7 +12,7 @@
  *     kernels/cpu_pair_linear.py, on the per-op path's engine (AMX tiles, or AVX-512 BF16 dot
  *     products with -DNO_AMX=1), for batches of up to 64 rows;
  *   GGUF blocks (-DBLOCK_LINEAR=1): the block linear (kernels/cpu/block_linear.c) on the file's
- *     Q8_0/Q5_0/Q5_1/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks, up to 64 rows, in float32 (-DELEM_BF16=0) or, on CPUs that cannot
+ *     blocks (any type the block linear takes), up to 64 rows, in float32 (-DELEM_BF16=0) or, on CPUs that cannot
  *     multiply bfloat16, in bfloat16 (-DELEM_BF16=1: the linears' inputs widened, their outputs
  *     rounded).
  */
