@@ -13,6 +13,7 @@ import safetensors.torch
 import torch
 
 from bench import k_quants
+from bench.requantize_gguf import matrix_type
 from gpu_worker.linear import (
     BLOCK_MAX_ROWS,
     Linear,
@@ -130,6 +131,41 @@ def test_written_blocks_hold_the_weight_they_were_written_from(type_: int) -> No
         k_quants.quantize(dense[:, :300], TYPE_NAMES[type_])
     with pytest.raises(ValueError, match="type_name"):
         k_quants.quantize(dense, "IQ2_XS")
+
+
+def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
+    """bench/requantize_gguf.py's choice per layer matrix (30 layers): the Q4_K_M and Q3_K_M mixes'
+    rules, and rows not 256 long falling back as llama.cpp's quantizer does."""
+    assert [matrix_type("Q4_K_M", "ffn_down", layer, 30, 1536) for layer in (0, 3, 4, 5, 26)] == [
+        "Q6_K",
+        "Q4_K",
+        "Q4_K",
+        "Q6_K",
+        "Q6_K",
+    ]  # the first and last eighth, and every third layer between
+    assert matrix_type("Q4_K_M", "attn_q", 0, 30, 2048) == "Q4_K"
+    assert [matrix_type("Q3_K_M", "attn_v", layer, 30, 2048) for layer in (0, 1, 2)] == [
+        "Q5_K",
+        "Q5_K",
+        "Q4_K",
+    ]
+    assert [matrix_type("Q3_K_M", "ffn_down", layer, 30, 1536) for layer in (0, 1)] == ["Q5_K", "Q4_K"]
+    assert matrix_type("Q3_K_M", "attn_output", 7, 30, 2048) == "Q4_K"
+    assert matrix_type("Q3_K_M", "ffn_up", 7, 30, 2048) == "Q3_K"
+    assert matrix_type("Q3_K_M", "ffn_up", 7, 30, 576) == "IQ4_NL"
+    assert matrix_type("Q3_K_M", "attn_v", 0, 30, 576) == "Q5_1"
+    fallbacks = {
+        "Q2_K": "IQ4_NL",
+        "Q3_K": "IQ4_NL",
+        "IQ4_XS": "IQ4_NL",
+        "Q4_K": "Q5_0",
+        "Q5_K": "Q5_1",
+        "Q6_K": "Q8_0",
+    }
+    for type_name, fallback in fallbacks.items():
+        assert matrix_type(type_name, "attn_q", 0, 30, 576) == fallback
+        assert matrix_type(type_name, "attn_q", 0, 30, 512) == type_name
+    assert matrix_type("IQ4_NL", "attn_q", 0, 30, 576) == "IQ4_NL"  # blocks of 32: no fallback
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
