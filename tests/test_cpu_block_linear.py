@@ -266,6 +266,8 @@ def test_any_number_of_threads_covers_every_output(kernel: BlockLinear, threads:
 
 
 def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        load_block_linear(torch.float16)  # builds for float32 and bfloat16 x only
     weight = block_weight(Q8_0, 4, 64, seed=2)
     with pytest.raises(ValueError, match="x"):
         kernel(torch.randn(2, 64).half(), weight)
