@@ -66,15 +66,6 @@ def _half(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return half.reshape(-1, 1).view(np.uint8), half.astype(np.float32)
 
 
-def _six_bit(values: np.ndarray, top: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-group non-negative `values` [blocks, 8] as 6-bit multiples of a per-block step (top / 63):
-    the steps' float16 bytes, their float32 values, and the multiples."""
-    step_bytes, step = _half(top / 63.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        multiples = np.where(step[:, None] > 0, np.rint(values / step[:, None]), 0.0)
-    return step_bytes, step, np.clip(multiples, 0, 63).astype(np.uint8)
-
-
 def _pack_scales(scale: np.ndarray, low: np.ndarray) -> np.ndarray:
     """Eight 6-bit scales and mins per block [blocks, 8] packed into 12 bytes (get_scale_min_k4's layout)."""
     out = np.zeros((scale.shape[0], 12), dtype=np.uint8)
@@ -89,15 +80,15 @@ def _q45_k(blocks: np.ndarray, bits: int) -> np.ndarray:
     groups = blocks.reshape(-1, 8, 32)
     low = np.minimum(groups.min(axis=2), 0.0)  # the stored minimum is subtracted: never positive
     scale = (groups.max(axis=2) - low) / levels
-    d_bytes, d, scale_q = _six_bit(scale, scale.max(axis=1))
-    m_bytes, dmin, low_q = _six_bit(-low, (-low).max(axis=1))
+    d_bytes, d, scale_q = _steps(scale, scale.max(axis=1), 63)  # 6-bit scales and minimums
+    m_bytes, dmin, low_q = _steps(-low, (-low).max(axis=1), 63)
     step = (d[:, None] * scale_q)[:, :, None]
     offset = (dmin[:, None] * low_q)[:, :, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step > 0, np.rint((groups + offset) / step), 0.0)
     q = np.clip(q, 0, levels).astype(np.uint8).reshape(-1, 4, 2, 32)  # groups 2p (low nibble), 2p + 1
     qs = ((q[:, :, 0] & 0x0F) | ((q[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
-    parts = [d_bytes, m_bytes, _pack_scales(scale_q, low_q)]
+    parts = [d_bytes, m_bytes, _pack_scales(scale_q.astype(np.uint8), low_q.astype(np.uint8))]
     if bits == 5:  # bit g of qh[j]: the fifth bit of group g's weight j
         fifth = (q.reshape(-1, 8, 32) >> 4) & 1
         parts.append((fifth << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8))
@@ -108,10 +99,7 @@ def _q45_k(blocks: np.ndarray, bits: int) -> np.ndarray:
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
     groups = blocks.reshape(-1, 16, 16)
     scale = np.abs(groups).max(axis=2) / 31.0  # q - 32 in -32..31
-    d_bytes, d = _half(scale.max(axis=1) / 127.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale_q = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0.0)
-    scale_q = np.clip(scale_q, -128, 127)
+    d_bytes, d, scale_q = _steps(scale, scale.max(axis=1), 127)  # 8-bit signed scales
     step = (d[:, None] * scale_q)[:, :, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(step > 0, np.rint(groups / step), 0.0)
@@ -124,9 +112,9 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def _steps(values: np.ndarray, top: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-group `values` [blocks, groups] as multiples in -levels..levels (0..levels where they are
-    non-negative) of a per-block step, top / levels: the steps' float16 bytes, their float32 values,
-    and the multiples."""
+    """Per-group `values` [blocks, groups] as multiples in -(levels + 1)..levels (0..levels where
+    they are non-negative) of a per-block step, top / levels: the steps' float16 bytes, their
+    float32 values, and the multiples (as floats)."""
     step_bytes, step = _half(top / levels)
     with np.errstate(divide="ignore", invalid="ignore"):
         multiples = np.where(step[:, None] > 0, np.rint(values / step[:, None]), 0.0)
