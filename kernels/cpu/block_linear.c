@@ -1,8 +1,9 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
  * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS), or 16-bit
- * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every weight once and does two flops
- * with each byte-sized piece of it, so its time is the weights' bytes over the memory's speed:
+ * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every
+ * weight once and does two flops with each byte-sized piece of it, so its time is the weights'
+ * bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
  *
  * Block layouts, 32 weights each, per output row k / 32 blocks in a row (ggml's):
@@ -201,6 +202,15 @@ static inline __attribute__((always_inline)) void bytes_to_floats(__m256i v, con
     halves_to_floats(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1), is_signed, w);
 }
 
+/* The 32 nibbles of the 16 bytes at q (low halves first, then high) as their IQ4 levels, float32
+ * in w[0..3]. */
+static inline __attribute__((always_inline)) void nl_to_floats(const uint8_t *q, __m256 w[4])
+{
+    const __m128i packed = _mm_loadu_si128((const __m128i *)q), nibble = _mm_set1_epi8(0x0f);
+    const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    halves_to_floats(nl_levels(low), nl_levels(high), 1, w);
+}
+
 /* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
  * group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32) and Q2_K d * (scale & 15)
  * and -(dmin * (scale >> 4)) per 16 weights. */
@@ -305,10 +315,7 @@ static inline __attribute__((always_inline)) void widen_group(
     }
     if (type == TYPE_IQ4_XS) { /* group 2 * index + part: 16 bytes, low nibbles then high */
         const int64_t g = 2 * index + part;
-        const __m128i packed = _mm_loadu_si128((const __m128i *)(block + 8 + 16 * g));
-        const __m128i low = _mm_and_si128(packed, _mm256_castsi256_si128(nibble));
-        const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm256_castsi256_si128(nibble));
-        halves_to_floats(nl_levels(low), nl_levels(high), 1, w);
+        nl_to_floats(block + 8 + 16 * g, w);
         const __m256 times = _mm256_broadcast_ss(s->times + g);
         for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(w[j], times);
         return;
@@ -353,8 +360,8 @@ static inline __m256 round_bf16(__m256 v)
 }
 
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
- * d * q - 16d (Q5_0), d * q (Q8_0) or d * NL[q] (IQ4_NL) with one rounding, as dequantizing in float32 gives them
- * (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
+ * d * q - 16d (Q5_0), d * q (Q8_0) or d * NL[q] (IQ4_NL) with one rounding, as dequantizing in
+ * float32 gives them (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
  * bfloat16, as a bfloat16 copy of the dequantized weight holds them. (Super-blocks: widen_group.) */
 static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
 {
@@ -383,12 +390,8 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         }
         return;
     }
-    if (type == TYPE_IQ4_NL) { /* low nibbles, then high, through the levels */
-        const __m128i packed = _mm_loadu_si128((const __m128i *)q);
-        const __m128i low_mask = _mm_set1_epi8(0x0f);
-        const __m128i low = nl_levels(_mm_and_si128(packed, low_mask));
-        const __m128i high = nl_levels(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));
-        halves_to_floats(low, high, 1, w);
+    if (type == TYPE_IQ4_NL) {
+        nl_to_floats(q, w);
         for (int j = 0; j < 4; j++) {
             w[j] = _mm256_mul_ps(w[j], scale);
             if (bf16) w[j] = round_bf16(w[j]);
