@@ -311,7 +311,7 @@ def _entry(dtype: torch.dtype) -> Callable[..., int]:
 
 def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
     """The kernel, its library for x in `dtype` (float32 or bfloat16) built or found in the cache;
-    KernelBuildError where it cannot run. Each element type has a build of its own (about 8 s to
+    KernelBuildError where it cannot run. Each element type has a build of its own (about 10 s to
     compile on a 2-core EPYC), so a worker builds only the one it multiplies in."""
     missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
     if missing:
