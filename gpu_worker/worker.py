@@ -1,8 +1,9 @@
 """The worker process: loads the model, sizes the KV cache, then runs steps.
 
-Conversation with the scheduler (protos/worker.proto): Hello once the weights
-are loaded, Configure back, Ready once the cache is allocated and warmed up,
-then Step -> StepResult until Shutdown.
+Conversation with the scheduler (protos/worker.proto): Hello at start, Configure
+back, Ready once the weights are loaded and the cache is allocated and warmed up,
+then Step -> StepResult until Shutdown. Knowing the KV block size from the start,
+the worker builds its CPU kernels while it loads the weights.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,7 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
-from kernels.cpu_block_linear import BlockWeight
+from kernels.cpu_block_linear import BlockLinear, BlockWeight
 from kernels.cpu_build import AMX
 from kernels.cpu_decode import VECTOR_PATHS, KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
@@ -337,36 +339,31 @@ def capture_decode_graphs(
     return sets
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Run one worker process until the scheduler says Shutdown; returns the exit code."""
-    setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
-    tracing.setup(
-        tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
-    )
-    try:
-        return _run(config)
-    finally:
-        tracing.shutdown()
-
-
-def _run(config: WorkerConfig) -> int:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+def load_weights(
+    config: WorkerConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_build: Future[BlockLinear | None] | None,
+) -> LlamaModel:
+    """The model with its weights in, its linears on the file's blocks where `block_build` (the
+    block linear's library, building meanwhile) gives a kernel."""
     started = time.perf_counter()
-    takes_blocks = config.block_linear and blocks_take(dtype, device) and block_kernel(dtype) is not None
     blocks = None
     shape_only: set[str] = set()
-    if takes_blocks:  # in bfloat16, 16-bit weights multiply on the model's own copies of them
-        model_config = load_config(config.model)
+    if block_build is not None:  # in bfloat16, 16-bit weights multiply on the model's own copies of them
         blocks = load_block_weights(config.model, model_config, sixteen_bit=dtype != torch.bfloat16)
         shape_only = choose_blocks_only(config.dense_weights, dtype, model_config, blocks, device)
     model_config, weights = load_model(config.model, shape_only)
+    if block_build is not None and block_build.result() is None:
+        # No kernel after all (said in the log): every linear takes a dense copy.
+        blocks = None
+        if shape_only:
+            model_config, weights = load_model(config.model)
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
     model.load_weights(weights, blocks)
     del weights
-    if takes_blocks:
+    if blocks is not None:
         linears = model.linears()
         types = Counter(lin.blocks.type_name for lin in linears if lin.blocks is not None)
         only = sum(lin.blocks_only for lin in linears)
@@ -387,7 +384,27 @@ def _run(config: WorkerConfig) -> int:
         device,
         time.perf_counter() - started,
     )
+    return model
 
+
+def run_worker(config: WorkerConfig) -> int:
+    """Run one worker process until the scheduler says Shutdown; returns the exit code."""
+    setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
+    tracing.setup(
+        tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
+    )
+    try:
+        return _run(config)
+    finally:
+        tracing.shutdown()
+
+
+def _run(config: WorkerConfig) -> int:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_config = load_config(config.model)  # a wrong path fails here, before the scheduler is told
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 1000)
@@ -397,17 +414,19 @@ def _run(config: WorkerConfig) -> int:
     try:
         hello = worker_pb2.Hello(worker_id=config.worker_id, pid=os.getpid())
         socket.send(worker_pb2.WorkerMessage(hello=hello).SerializeToString())
+        log.info("said Hello to the scheduler at %s; waiting for its Configure", config.scheduler_address)
         message = worker_pb2.SchedulerMessage.FromString(socket.recv())
         if message.WhichOneof("kind") != "configure":
             log.error("expected Configure from the scheduler, got %s", message.WhichOneof("kind"))
             return 1
         configure = message.configure
-        num_blocks = plan_num_blocks(config, model_config, device, dtype, configure)
-        started = time.perf_counter()
-        kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
-        allocated = time.perf_counter()
-        model.use_attention(
-            make_attention(
+        # The kernels this worker will run build beside the model's loading, each compile a
+        # process of its own: a first start on a machine pays the longest of them, not their sum.
+        with ThreadPoolExecutor(2, thread_name_prefix="kernel-build") as builds:
+            wants_blocks = config.block_linear and blocks_take(dtype, device)
+            block_build = builds.submit(block_kernel, dtype) if wants_blocks else None
+            attention = builds.submit(
+                make_attention,
                 config.attention_backend,
                 model_config,
                 dtype,
@@ -415,7 +434,13 @@ def _run(config: WorkerConfig) -> int:
                 configure.block_size,
                 config.cpu_vector_bits,
             )
-        )
+            model = load_weights(config, model_config, dtype, device, block_build)
+            num_blocks = plan_num_blocks(config, model_config, device, dtype, configure)
+            started = time.perf_counter()
+            kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
+            allocated = time.perf_counter()
+            model.use_attention(attention.result())
+            kernels = time.perf_counter()
         # CUDA SBO: input copies on a data stream, lanes on compute streams, tokens copied back
         # asynchronously. Without SBO everything runs on the default stream, one step at a time.
         sbo = config.sbo
@@ -432,9 +457,10 @@ def _run(config: WorkerConfig) -> int:
         gc.collect()
         gc.freeze()
         log.info(
-            "KV cache allocated in %.1f s, warmed up in %.1f s",
+            "KV cache allocated in %.1f s, kernels ready %.1f s after, warmed up in %.1f s",
             allocated - started,
-            time.perf_counter() - allocated,
+            kernels - allocated,
+            time.perf_counter() - kernels,
         )
         ready = worker_pb2.Ready(
             worker_id=config.worker_id,

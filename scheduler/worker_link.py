@@ -48,22 +48,25 @@ class WorkerLink:
         self._identity: bytes | None = None
 
     async def handshake(self, configure: worker_pb2.Configure) -> worker_pb2.Ready:
-        """Wait for a worker's Hello, configure its KV cache, and wait until it is Ready."""
-        hello = await self._expect("hello")
-        log.info("worker %d (pid %d) connected", hello.hello.worker_id, hello.hello.pid)
-        await self.send(worker_pb2.SchedulerMessage(configure=configure))
-        ready = await self._expect("ready")
-        return ready.ready
+        """Wait for a worker's Hello, configure it, and wait until it is Ready. A worker says Hello
+        before it loads its weights; one that dies loading them is replaced, and the replacement's
+        Hello is configured in its turn."""
+        message = await self._expect("hello")
+        while message.WhichOneof("kind") == "hello":
+            log.info("worker %d (pid %d) connected", message.hello.worker_id, message.hello.pid)
+            await self.send(worker_pb2.SchedulerMessage(configure=configure))
+            message = await self._expect("ready", "hello")
+        return message.ready
 
-    async def _expect(self, kind: str) -> worker_pb2.WorkerMessage:
+    async def _expect(self, *kinds: str) -> worker_pb2.WorkerMessage:
         message = await self.recv()
         while message.WhichOneof("kind") == "heartbeat":
             message = await self.recv()
-        if message.WhichOneof("kind") != kind:
+        if message.WhichOneof("kind") not in kinds:
             detail = (
                 message.error.message if message.WhichOneof("kind") == "error" else message.WhichOneof("kind")
             )
-            raise WorkerProtocolError(f"expected {kind} from the worker, got {detail}")
+            raise WorkerProtocolError(f"expected {' or '.join(kinds)} from the worker, got {detail}")
         return message
 
     async def recv(self) -> worker_pb2.WorkerMessage:
