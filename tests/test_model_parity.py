@@ -21,6 +21,7 @@ from gpu_worker.worker import make_attention
 from kernels.cpu_block_linear import BlockLinear
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
+from tests.transformers_reference import reference_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,20 +157,6 @@ def test_forward_batch_layout_exact() -> None:
     assert (second.token_start, second.num_tokens, second.key_slots, second.mask) == (5, 2, None, None)
 
 
-def _reference_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=hf_model.device)
-    out = hf_model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 TINY_VARIANTS: dict[int, dict[str, Any]] = {
     8: {},
     16: {
@@ -251,7 +238,7 @@ def test_tiny_llama_matches_transformers(tmp_path: Path, block_size: int, backen
     harness = PagedHarness(model, config, block_size, num_blocks=256 // block_size * 12)
     ours = harness.generate(prompts, max_new, seed=block_size, shares=shares)
     with torch.inference_mode():
-        expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
+        expected = [reference_greedy(hf_model, p, max_new) for p in prompts]
     assert ours == expected, (ours, expected)
 
 
@@ -282,7 +269,7 @@ def test_tiny_bfloat16_directory_on_the_block_kernel_matches_transformers(tmp_pa
     harness = PagedHarness(model, config, 16, num_blocks=64)
     ours = harness.generate(prompts, 6, seed=3)
     with torch.inference_mode():
-        expected = [_reference_greedy(hf_model, p, 6) for p in prompts]
+        expected = [reference_greedy(hf_model, p, 6) for p in prompts]
     assert ours == expected
 
 
@@ -482,7 +469,7 @@ def check_smollm2_against_transformers(
         for text in texts
     ]
     with torch.inference_mode():
-        expected = [_reference_greedy(hf_model, p, max_new) for p in prompts]
+        expected = [reference_greedy(hf_model, p, max_new) for p in prompts]
     harness = PagedHarness(model, config, block_size=16, num_blocks=num_blocks)
     ours = harness.generate(prompts, max_new, seed=0, token_budget=token_budget, max_chunk=max_chunk)
     assert ours == expected, [tokenizer.decode(t) for t in ours + expected]

@@ -8,27 +8,21 @@ from pathlib import Path
 
 from gpu_worker.linear import block_kernel
 from tests.e2e.harness import serve_greedy, start_server
+from tests.transformers_reference import reference_greedy
 
 NEW_TOKENS = 12
 
 
 def reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers float32 on the same file, greedy, end-of-sequence tokens taken like any other
-    (as the server's ignore_eos does; `generate`'s min_new_tokens would mask them instead)."""
+    """transformers float32 on the same file, greedy."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    outputs = []
     with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
-    return outputs
+        return [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
 
 
 def test_a_q4_k_m_file_is_served_on_its_blocks_alone(smollm2_q4_k_m: Path) -> None:
