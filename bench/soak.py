@@ -70,10 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="bound on the replacement worker's RSS growth",
     )
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--log", type=Path, help="the server's log (default: a new file in the temporary directory)"
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     grpc_port, metrics_port = free_port(), free_port()
-    log_path = Path(tempfile.mkstemp(prefix="duoserve-soak-", suffix=".log")[1])
+    log_path = args.log or Path(tempfile.mkstemp(prefix="duoserve-soak-", suffix=".log")[1])
     command = [
         str(Path(sys.executable).parent / "duoserve"),
         *("serve", "--host", "127.0.0.1", "--port", str(grpc_port), "--metrics-port", str(metrics_port)),

@@ -19,6 +19,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The servers' logs go under pytest's temporary directory (it keeps the last three sessions')."""
+    from tests.e2e import harness
+
+    harness.LOG_DIR = tmp_path_factory.mktemp("server-logs")
+    return harness.LOG_DIR
+
+
 @pytest.fixture(scope="session")
 def requantized_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, str]]:
     """SmolLM2 requantized by bench/requantize_gguf.py to a block type or mix (its `--type`): the

@@ -20,6 +20,9 @@ from duoserve_client import Client
 
 DUOSERVE = str(Path(sys.executable).parent / "duoserve")
 READY_TIMEOUT_S = 240.0
+# Where servers write their logs: tests/conftest.py points it into pytest's temporary directory,
+# which keeps the last few sessions' and removes older ones; the system's otherwise.
+LOG_DIR: Path | None = None
 
 
 def free_port() -> int:
@@ -59,7 +62,9 @@ class ServerProcess:
 
 def start_server(*flags: str, env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
     port = free_port()
-    log_file = tempfile.NamedTemporaryFile(prefix="duoserve-test-", suffix=".log", delete=False)  # noqa: SIM115
+    log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115
+        prefix="duoserve-test-", suffix=".log", dir=LOG_DIR, delete=False
+    )
     environment = {**os.environ, "DUOSERVE_DEBUG_CHECKS": "1", **(env or {})}
     command = [
         DUOSERVE,

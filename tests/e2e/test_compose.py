@@ -7,7 +7,6 @@ import os
 import shlex
 import signal
 import subprocess
-import tempfile
 import time
 from concurrent import futures
 from pathlib import Path
@@ -74,7 +73,7 @@ def local(command: list[str], hosts: dict[str, str]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
+def test_the_compose_commands_serve_and_trace_when_started_locally(tmp_path: Path) -> None:
     receiver = Receiver()
     collector = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, collector)
@@ -82,7 +81,7 @@ def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
     collector.add_insecure_port(f"127.0.0.1:{otlp_port}")
     collector.start()
     grpc_port, metrics_port, zmq_port = free_port(), free_port(), free_port()
-    keys_dir = Path(tempfile.mkdtemp(prefix="duoserve-keys-"))
+    keys_dir = tmp_path / "keys"
     hosts = {
         "/keys": str(keys_dir),
         "0.0.0.0:5555": f"127.0.0.1:{zmq_port}",
@@ -93,7 +92,7 @@ def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
         "9400": str(metrics_port),
     }
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", "DUOSERVE_NUM_KV_BLOCKS": "256"}
-    log = tempfile.NamedTemporaryFile(prefix="duoserve-compose-", suffix=".log", delete=False)  # noqa: SIM115
+    log = (tmp_path / "compose.log").open("wb")
     subprocess.run([DUOSERVE, *local(SERVICES["keys"]["command"], hosts)], check=True, capture_output=True)
     processes = [
         subprocess.Popen(
@@ -123,3 +122,4 @@ def test_the_compose_commands_serve_and_trace_when_started_locally() -> None:
                 process.kill()
                 process.wait()
         collector.stop(grace=None)
+        log.close()

@@ -26,6 +26,8 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
             "4",
             "--json",
             str(report_path),
+            "--log",
+            str(tmp_path / "server.log"),
         ],
         capture_output=True,
         text=True,
