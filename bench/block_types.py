@@ -2,10 +2,10 @@
 1B-class Llama (hidden 2048, 32 query and 8 KV heads of 64, ffn 8192: rows 256 long, so that
 the super-block types apply), against oneDNN's packed float32 kernel on the same weights.
 
-    .venv/bin/python bench/block_types.py [--rows 1 4 16 256] [--layers 2]
+    .venv/bin/python bench/block_types.py [--rows 1 4 16 256] [--layers 2] [--types Q4_0 IQ2_XS ...]
 
 Each type's weights are random, quantized by the gguf package (the K-quants and IQ4 types by
-bench/k_quants.py).
+bench/k_quants.py); the codebook types' (IQ2_XXS to IQ3_S) are random blocks of theirs.
 `--layers` copies of the layer are streamed in turn, so that a pass does not find the last one's
 weights in cache; the types take turns, medians of 7 passes. It prints milliseconds per layer,
 and for the decode-sized rows the bytes streamed per second.
@@ -39,10 +39,15 @@ SHAPES = {
     "down": (HIDDEN, FFN),
 }
 TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K"]
+TYPES += ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS"]  # random blocks: no writer here
 
 
 def quantized(type_name: str, dense: np.ndarray) -> BlockWeight:
-    blocks = k_quants.write_blocks(dense, type_name)
+    if type_name in k_quants.CODEBOOK_BYTES:
+        rng = np.random.default_rng(dense.shape[0])
+        blocks = k_quants.random_codebook_blocks(type_name, *dense.shape, rng)
+    else:
+        blocks = k_quants.write_blocks(dense, type_name)
     return BlockWeight(int(gguf.GGMLQuantizationType[type_name]), torch.from_numpy(blocks), dense.shape[1])
 
 
@@ -51,6 +56,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 256])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument(
+        "--types", nargs="+", default=TYPES, choices=TYPES, help="block types to run (default: all)"
+    )
     args = parser.parse_args()
     kernel = block_kernel()
     if kernel is None:
@@ -62,7 +70,7 @@ def main() -> int:
     # Per config, `--layers` copies of the layer: each linear as (its input size, its bytes, the call).
     configs: dict[str, list[list[tuple[int, int, Callable[[torch.Tensor], object]]]]] = {}
     started = time.perf_counter()
-    for type_name in TYPES:
+    for type_name in args.types:
         weights = [quantized(type_name, weight) for weight in dense.values()]
         configs[type_name] = [
             [

@@ -12,6 +12,10 @@ kernels/cpu/block_linear.c.
 
     blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
+
+The codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are not written from weights: their
+quantizer searches ggml's codebooks for each group's rows. `random_codebook_blocks` gives valid
+blocks of them with random rows, signs and scales, for the kernel's tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -19,11 +23,21 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from kernels.cpu_block_linear import BLOCK_BYTES, IQ4_NL, SUPER_BLOCKS, TYPE_NAMES, weights_per_block
+from kernels.cpu_block_linear import (
+    BLOCK_BYTES,
+    CODEBOOKS,
+    IQ4_NL,
+    IQ4_XS,
+    K_QUANTS,
+    TYPE_NAMES,
+    weights_per_block,
+)
 
-SUPER = weights_per_block(SUPER_BLOCKS[0])
-BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in (*SUPER_BLOCKS, IQ4_NL)}
-WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in (*SUPER_BLOCKS, IQ4_NL)}
+WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL)  # the types `quantize` writes
+SUPER = weights_per_block(K_QUANTS[0])
+BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in WRITTEN}
+WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in WRITTEN}
+CODEBOOK_BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in CODEBOOKS}
 NL_LEVELS = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)  # IQ4_NL's and IQ4_XS's, ascending
 
 
@@ -36,6 +50,20 @@ def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
         np.ascontiguousarray(weight, dtype=np.float32), gguf.GGMLQuantizationType[type_name]
     )
     return np.ascontiguousarray(blocks).view(np.uint8).reshape(weight.shape[0], -1)
+
+
+def random_codebook_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """An [n, k] weight (k in 256s) of a codebook type as random blocks, uint8 [n, k / 256 * bytes].
+    Every byte pattern after a block's fp16 d is a valid block; d is drawn so that the weights
+    come out about 1 / sqrt(k) in size, as a trained layer's do."""
+    if type_name not in CODEBOOK_BYTES:
+        raise ValueError(f"type_name: got {type_name!r}, expected one of {sorted(CODEBOOK_BYTES)}")
+    if n <= 0 or k <= 0 or k % SUPER:
+        raise ValueError(f"k: got {k}, expected a positive multiple of {SUPER} (and n > 0, got {n})")
+    blocks = rng.integers(0, 256, size=(n * k // SUPER, CODEBOOK_BYTES[type_name]), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.0, size=(len(blocks), 1)) / (64 * k**0.5)
+    blocks[:, :2] = d.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)
 
 
 def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:

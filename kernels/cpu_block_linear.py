@@ -1,7 +1,8 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
 steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, and the
-super-blocks of 256 weights of the K-quants Q2_K to Q6_K and of IQ4_XS), or 16-bit floats (F16,
-BF16) of a GGUF file or a safetensors checkpoint, in 32-weight "blocks" of their own.
+super-blocks of 256 weights of the K-quants Q2_K to Q6_K, of IQ4_XS and of the codebook types
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF file or a
+safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -42,6 +43,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 # ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (super-blocks) 256.
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 BLOCK_BYTES = {
     F16: 64,
     Q4_0: 18,
@@ -56,10 +58,17 @@ BLOCK_BYTES = {
     Q5_K: 176,
     Q6_K: 210,
     IQ4_XS: 136,
+    IQ2_XXS: 66,
+    IQ2_XS: 74,
+    IQ2_S: 82,
+    IQ3_XXS: 98,
+    IQ3_S: 110,
     BF16: 64,
 }
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-SUPER_BLOCKS = (*K_QUANTS, IQ4_XS)  # the types of 256 weights a block
+# Weights as rows of ggml's codebooks (gguf.quants' grids) with a sign each.
+CODEBOOKS = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
+SUPER_BLOCKS = (*K_QUANTS, IQ4_XS, *CODEBOOKS)  # the types of 256 weights a block
 TYPE_NAMES = {
     F16: "F16",
     Q4_0: "Q4_0",
@@ -74,6 +83,11 @@ TYPE_NAMES = {
     Q5_K: "Q5_K",
     Q6_K: "Q6_K",
     IQ4_XS: "IQ4_XS",
+    IQ2_XXS: "IQ2_XXS",
+    IQ2_XS: "IQ2_XS",
+    IQ2_S: "IQ2_S",
+    IQ3_XXS: "IQ3_XXS",
+    IQ3_S: "IQ3_S",
     BF16: "BF16",
 }
 # The 16-bit float types: their blocks are the weight's own elements.
@@ -82,7 +96,8 @@ _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.it
 
 
 def weights_per_block(type_: int) -> int:
-    """Weights in one block of the type: 256 in a super-block (the K-quants', IQ4_XS's), else 32."""
+    """Weights in one block of the type: 256 in a super-block (the K-quants', IQ4_XS's and the
+    codebook types'), else 32."""
     return 256 if type_ in SUPER_BLOCKS else 32
 
 
@@ -221,8 +236,32 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
     return (d * (values - offset)).reshape(-1)
 
 
+def codebook_tables() -> tuple[np.ndarray, ...]:
+    """ggml's codebooks as the gguf package holds them, as unsigned bytes: IQ2_XXS's grid (256 rows
+    of 8), IQ2_XS's (512), IQ2_S's (1024), IQ3_XXS's (256 rows of 4), IQ3_S's (512), then the 128
+    sign patterns of the IQ2 types and IQ3_XXS."""
+    grids = []
+    for quant in (
+        gguf.quants.IQ2_XXS,
+        gguf.quants.IQ2_XS,
+        gguf.quants.IQ2_S,
+        gguf.quants.IQ3_XXS,
+        gguf.quants.IQ3_S,
+    ):
+        quant.init_grid()
+        assert quant.grid is not None
+        grid = np.asarray(quant.grid, dtype=np.float32).reshape(quant.grid_shape)
+        rows = grid.astype(np.uint8)
+        assert np.array_equal(rows.astype(np.float32), grid), f"{quant.__name__}'s grid is not bytes"
+        grids.append(np.ascontiguousarray(rows))
+    signs = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
+    assert signs.shape == (128,)
+    return (*grids, signs)
+
+
 _lock = threading.Lock()
 _loaded: dict[torch.dtype, Callable[..., int]] = {}  # each element type's entry, its own build
+_codebooks: tuple[np.ndarray, ...] = ()  # handed to every library loaded; they must outlive it
 
 # duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
@@ -298,6 +337,10 @@ def _entry(dtype: torch.dtype) -> Callable[..., int]:
     with _lock:
         if dtype not in _loaded:
             library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}))
+            global _codebooks
+            _codebooks = _codebooks or codebook_tables()
+            library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(_codebooks)
+            library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in _codebooks))
             function = (
                 library.duoserve_block_linear_bf16
                 if dtype == torch.bfloat16
@@ -338,9 +381,15 @@ def block_linear_entry(dtype: torch.dtype) -> int:
 __all__ = [
     "BF16",
     "BLOCK_BYTES",
+    "CODEBOOKS",
     "DENSE_TYPES",
     "DTYPES",
     "F16",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ3_S",
+    "IQ3_XXS",
     "IQ4_NL",
     "IQ4_XS",
     "K_QUANTS",
@@ -362,6 +411,7 @@ __all__ = [
     "Blocks",
     "KernelBuildError",
     "block_linear_entry",
+    "codebook_tables",
     "concat_rows",
     "load_block_linear",
     "row_bytes",

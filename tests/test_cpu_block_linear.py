@@ -1,6 +1,7 @@
 """The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks, on
-IQ4_NL blocks and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks (those written by bench/k_quants.py)
-and on F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
+IQ4_NL blocks and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks (those written by bench/k_quants.py),
+on IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S super-blocks (random ones: every byte pattern is a block) and
+on F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ from gpu_worker.loader import load_block_weights, load_model
 from kernels.cpu_block_linear import (
     BF16,
     BLOCK_BYTES,
+    CODEBOOKS,
     DTYPES,
     F16,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
+    IQ3_S,
+    IQ3_XXS,
     IQ4_NL,
     IQ4_XS,
     Q2_K,
@@ -40,7 +47,6 @@ from kernels.cpu_block_linear import (
     Q5_K,
     Q6_K,
     Q8_0,
-    SUPER_BLOCKS,
     TYPE_NAMES,
     BlockLinear,
     BlockRows,
@@ -67,6 +73,11 @@ TYPES = {
     Q5_K: gguf.GGMLQuantizationType.Q5_K,
     Q6_K: gguf.GGMLQuantizationType.Q6_K,
     IQ4_XS: gguf.GGMLQuantizationType.IQ4_XS,
+    IQ2_XXS: gguf.GGMLQuantizationType.IQ2_XXS,
+    IQ2_XS: gguf.GGMLQuantizationType.IQ2_XS,
+    IQ2_S: gguf.GGMLQuantizationType.IQ2_S,
+    IQ3_XXS: gguf.GGMLQuantizationType.IQ3_XXS,
+    IQ3_S: gguf.GGMLQuantizationType.IQ3_S,
     F16: gguf.GGMLQuantizationType.F16,
     BF16: gguf.GGMLQuantizationType.BF16,
 }
@@ -80,8 +91,13 @@ def whole(type_: int, k: int) -> int:
 def block_weight(type_: int, n: int, k: int, seed: int) -> BlockWeight:
     """A random [n, k] weight quantized by the gguf package (the K-quants and IQ4 types by
     bench/k_quants.py), as a GGUF file stores it (its bytes: the package gives F16 as float16
-    elements)."""
-    dense = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) / k**0.5
+    elements); of a codebook type, random blocks."""
+    rng = np.random.default_rng(seed)
+    if type_ in CODEBOOKS:
+        return BlockWeight(
+            type_, torch.from_numpy(k_quants.random_codebook_blocks(TYPE_NAMES[type_], n, k, rng)), k
+        )
+    dense = rng.standard_normal((n, k), dtype=np.float32) / k**0.5
     return BlockWeight(type_, torch.from_numpy(k_quants.write_blocks(dense, TYPE_NAMES[type_])), k)
 
 
@@ -104,7 +120,7 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
     assert torch.equal(weight.dequantize(), torch.from_numpy(want).float())
 
 
-WRITTEN = (*SUPER_BLOCKS, IQ4_NL)  # the types bench/k_quants.py writes
+WRITTEN = k_quants.WRITTEN  # the types bench/k_quants.py writes
 BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4}
 
 
@@ -282,7 +298,7 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(16, torch.zeros(4, 66, dtype=torch.uint8), 256)  # IQ2_XXS: not a block kernel type
+        BlockWeight(19, torch.zeros(4, 50, dtype=torch.uint8), 256)  # IQ1_S: not a block kernel type
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"k: got 288, expected a positive multiple of 256 for Q4_K"):
@@ -468,6 +484,50 @@ def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
             k_quants.quantize(dense, type_name), gguf.GGMLQuantizationType[type_name]
         )
         assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(dense.shape)))
+
+
+def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
+    """IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as blocks, with the
+    values the gguf package dequantizes them to, and multiply on the kernel as those values."""
+    rng = np.random.default_rng(2)
+    stored = {
+        "blk.0.attn_v.weight": "IQ2_XXS",
+        "blk.0.attn_output.weight": "IQ2_XS",
+        "blk.0.ffn_up.weight": "IQ2_S",
+        "blk.0.ffn_gate.weight": "IQ3_XXS",
+        "blk.0.ffn_down.weight": "IQ3_S",
+    }
+    shape = (64, 512)
+    raw = {
+        name: k_quants.random_codebook_blocks(type_name, *shape, rng) for name, type_name in stored.items()
+    }
+    writer = gguf.GGUFWriter(tmp_path / "iq.gguf", arch="llama")
+    for name, type_name in stored.items():
+        writer.add_tensor(name, raw[name], raw_dtype=gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = load_block_weights(tmp_path / "iq.gguf", None)  # type: ignore[arg-type]
+    names = {
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+        "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
+        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+    }
+    assert set(blocks) == set(names.values())
+    x = torch.randn(3, shape[1])
+    kernel = block_kernel()
+    for gguf_name, name in names.items():
+        block = blocks[name]
+        assert (block.type_name, block.n, block.k) == (stored[gguf_name], *shape)
+        want = gguf.quants.dequantize(raw[gguf_name], gguf.GGMLQuantizationType[stored[gguf_name]])
+        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
+        if kernel is not None:
+            torch.testing.assert_close(
+                kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
+            )
 
 
 def test_a_bfloat16_linear_multiplies_on_itself_with_self_blocks(kernel: BlockLinear) -> None:

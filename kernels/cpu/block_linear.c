@@ -1,6 +1,7 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS), or 16-bit
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS, and the
+ * codebook types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit
  * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every
  * weight once and does two flops with each byte-sized piece of it, so its time is the weights'
  * bytes over the memory's speed:
@@ -37,9 +38,28 @@
  * + j % 16], s a 6-bit number from scales_l and scales_h. The kernel takes such weights group by
  * group, like the 32-weight blocks.
  *
+ * The codebook types keep 256 weights in a super-block too, each group of 32 as rows of ggml's
+ * codebooks (grids of 8 or 4 unsigned values) with a sign for each weight:
+ *   IQ2_XXS: fp16 d, then per group uint8 row[4] and uint32 a                   (66 bytes)
+ *   IQ2_XS:  fp16 d, uint16 qs[32], uint8 scales[8]                             (74 bytes)
+ *   IQ2_S:   fp16 d, uint8 qs[32], uint8 signs[32], uint8 qh[8], uint8 scales[8] (82 bytes)
+ *   IQ3_XXS: fp16 d, uint8 qs[64], uint32 a[8]                                  (98 bytes)
+ *   IQ3_S:   fp16 d, uint8 qs[64], uint8 qh[8], uint8 signs[32], uint8 scales[4] (110 bytes)
+ * Group g's eight weights 8l .. 8l + 7 are db * grid[row] with the signs of a byte of sign bits:
+ * IQ2_XXS row[l] of the 256-row grid, signs KSIGNS[(a >> 7l) & 127], db = d * (0.5 + (a >> 28)) /
+ * 4; IQ2_XS q = qs[4g + l], row q & 511 of 512, signs KSIGNS[q >> 9], db = d * (0.5 + scale) / 4
+ * with the nibble of scales[g] of weights 16 * (l / 2) on; IQ2_S row qs[4g + l] + 256 * (two
+ * bits 2l of qh[g]) of 1024, signs[4g + l], db as IQ2_XS's. IQ3's rows are 4 wide, two to 8
+ * weights: IQ3_XXS rows qs[8g + 2l], qs[8g + 2l + 1] of 256, signs KSIGNS[(a[g] >> 7l) & 127], db
+ * = d * (0.5 + (a[g] >> 28)) / 2; IQ3_S rows qs[i] + 256 * (bit i % 8 of qh[g]) of 512 for i =
+ * 8g + 2l and the next, signs[4g + l], db = d * (1 + 2 * (nibble g of scales)). KSIGNS[i] is i
+ * with an eighth bit that makes its bits' count even. The tables are the gguf package's, handed
+ * over once by duoserve_block_linear_use_codebooks.
+ *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits, or d times a scale of at most 8
- * bits times q, fits float32's mantissa; an additive term joins with one rounding; 16-bit floats
+ * bits times q, fits float32's mantissa, and so does a codebook's db * grid value, at most 11 + 5 +
+ * 6 bits; an additive term joins with one rounding; 16-bit floats
  * widen exactly), so the result is
  * x @ dequantize(w).T with the additions in another order: equal to float32 rounding.
  *
@@ -81,7 +101,12 @@ enum {
     TYPE_Q4_K = 12,
     TYPE_Q5_K = 13,
     TYPE_Q6_K = 14,
+    TYPE_IQ2_XXS = 16,
+    TYPE_IQ2_XS = 17,
+    TYPE_IQ3_XXS = 18,
     TYPE_IQ4_NL = 20,
+    TYPE_IQ3_S = 21,
+    TYPE_IQ2_S = 22,
     TYPE_IQ4_XS = 23,
     TYPE_BF16 = 30
 };
@@ -93,7 +118,7 @@ enum {
 #define BFLOAT16 0
 #endif
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the fourteen) and B the build's
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the nineteen) and B the build's
  * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
  * rounding to bfloat16, so they take B = 0 either way. */
 #define WITH_TYPE(type, CALL)                                                                        \
@@ -111,6 +136,11 @@ enum {
         case TYPE_Q5_K: CALL(TYPE_Q5_K, BFLOAT16); break;                                            \
         case TYPE_Q6_K: CALL(TYPE_Q6_K, BFLOAT16); break;                                            \
         case TYPE_IQ4_XS: CALL(TYPE_IQ4_XS, BFLOAT16); break;                                        \
+        case TYPE_IQ2_XXS: CALL(TYPE_IQ2_XXS, BFLOAT16); break;                                      \
+        case TYPE_IQ2_XS: CALL(TYPE_IQ2_XS, BFLOAT16); break;                                        \
+        case TYPE_IQ2_S: CALL(TYPE_IQ2_S, BFLOAT16); break;                                          \
+        case TYPE_IQ3_XXS: CALL(TYPE_IQ3_XXS, BFLOAT16); break;                                      \
+        case TYPE_IQ3_S: CALL(TYPE_IQ3_S, BFLOAT16); break;                                          \
         case TYPE_F16: CALL(TYPE_F16, BFLOAT16); break;                                              \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
@@ -126,16 +156,36 @@ static inline float half_to_float(const uint8_t *p)
     return _cvtsh_ss(bits);
 }
 
+static inline int codebook(int type)
+{
+    return type == TYPE_IQ2_XXS || type == TYPE_IQ2_XS || type == TYPE_IQ2_S || type == TYPE_IQ3_XXS ||
+           type == TYPE_IQ3_S;
+}
+
 static inline int super_blocks(int type)
 {
     return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
-           type == TYPE_IQ4_XS;
+           type == TYPE_IQ4_XS || codebook(type);
+}
+
+/* ggml's codebooks as unsigned bytes, rows of 8 (IQ2) or 4 (IQ3), and its sign patterns: set once
+ * by duoserve_block_linear_use_codebooks before any codebook type is multiplied. */
+static const uint8_t *grid_iq2_xxs, *grid_iq2_xs, *grid_iq2_s, *grid_iq3_xxs, *grid_iq3_s, *ksigns;
+
+/* Hands over the tables: IQ2_XXS's 256 rows of 8, IQ2_XS's 512, IQ2_S's 1024, IQ3_XXS's 256 rows
+ * of 4, IQ3_S's 512, and the 128 sign patterns. They must outlive every call. */
+void duoserve_block_linear_use_codebooks(const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s,
+                                         const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs)
+{
+    grid_iq2_xxs = iq2_xxs, grid_iq2_xs = iq2_xs, grid_iq2_s = iq2_s;
+    grid_iq3_xxs = iq3_xxs, grid_iq3_s = iq3_s, ksigns = signs;
 }
 
 static inline int known_type(int type)
 {
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-           type == TYPE_IQ4_NL || type == TYPE_F16 || type == TYPE_BF16 || super_blocks(type);
+           type == TYPE_IQ4_NL || type == TYPE_F16 || type == TYPE_BF16 ||
+           (super_blocks(type) && (!codebook(type) || ksigns != NULL));
 }
 
 /* Weights in one block (256 in a super-block, else 32), the block's bytes, and where a 32-weight
@@ -158,6 +208,11 @@ static inline int64_t block_bytes(int type)
            : type == TYPE_Q5_K ? 176
            : type == TYPE_Q6_K ? 210
            : type == TYPE_IQ4_XS ? 136
+           : type == TYPE_IQ2_XXS ? 66
+           : type == TYPE_IQ2_XS ? 74
+           : type == TYPE_IQ2_S ? 82
+           : type == TYPE_IQ3_XXS ? 98
+           : type == TYPE_IQ3_S ? 110
                                : 64;
 }
 static inline int64_t quants_at(int type)
@@ -233,6 +288,24 @@ static inline __attribute__((always_inline)) void scaled_bytes(
 
 static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
 {
+    if (codebook(type)) { /* db per group (IQ2_XXS, IQ3_XXS, IQ3_S) or per 16 weights (IQ2_XS, IQ2_S) */
+        const float d = half_to_float(block);
+        if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S) {
+            const uint8_t *scales = block + (type == TYPE_IQ2_XS ? 66 : 74);
+            for (int i = 0; i < 16; i++) s->times[i] = d * (0.5f + (float)((scales[i / 2] >> (4 * (i % 2))) & 15)) * 0.25f;
+        } else if (type == TYPE_IQ3_S) {
+            for (int g = 0; g < 8; g++) s->times[g] = d * (float)(1 + 2 * ((block[106 + g / 2] >> (4 * (g % 2))) & 15));
+        } else { /* the top four bits of each group's a */
+            const uint8_t *a = block + (type == TYPE_IQ2_XXS ? 6 : 66);
+            const int64_t stride = type == TYPE_IQ2_XXS ? 8 : 4;
+            for (int g = 0; g < 8; g++) {
+                uint32_t bits;
+                __builtin_memcpy(&bits, a + stride * g, 4);
+                s->times[g] = d * (0.5f + (float)(bits >> 28)) * (type == TYPE_IQ2_XXS ? 0.25f : 0.5f);
+            }
+        }
+        return;
+    }
     if (type == TYPE_Q2_K) { /* scale in the low nibble of scales[i], minimum in the high one */
         const __m128i scales = _mm_loadu_si128((const __m128i *)block);
         const __m128i nibble = _mm_set1_epi8(0x0f);
@@ -285,6 +358,97 @@ static inline __attribute__((always_inline)) void prepare_super(const uint8_t *b
     scaled_bytes(_mm_cvtsi64_si128(mins), 0, 8, -half_to_float(block + 2), s->minus);
 }
 
+/* Row `row` of a codebook of 8-byte rows. */
+static inline int64_t row8(const uint8_t *grid, uint32_t row)
+{
+    int64_t values;
+    __builtin_memcpy(&values, grid + 8 * row, 8);
+    return values;
+}
+
+/* Row `row` of a codebook of 4-byte rows. */
+static inline int32_t row4(const uint8_t *grid, uint32_t row)
+{
+    int32_t values;
+    __builtin_memcpy(&values, grid + 4 * row, 4);
+    return values;
+}
+
+/* A group's 32 codebook values (unsigned, at most 62) negated where bit j of `signs` is set, as
+ * float32 in w[0..3]. The signs go on the bytes (as +1 or -1 bytes), before the conversion. */
+static inline __attribute__((always_inline)) void signed_values(__m256i values, uint32_t signs, __m256 w[4])
+{
+    const __m256i byte_of = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i bit_of = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)signs), byte_of);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit_of), bit_of);
+    bytes_to_floats(_mm256_sign_epi8(values, _mm256_or_si256(set, _mm256_set1_epi8(1))), 1, w);
+}
+
+/* The 8-bit sign patterns of four 7-bit indices packed in `a` (bits 7l), one byte each. */
+static inline uint32_t four_ksigns(uint32_t a)
+{
+    return (uint32_t)ksigns[a & 127] | (uint32_t)ksigns[(a >> 7) & 127] << 8 | (uint32_t)ksigns[(a >> 14) & 127] << 16 |
+           (uint32_t)ksigns[(a >> 21) & 127] << 24;
+}
+
+/* Group g of a codebook super-block as float32 in w[0..3] (see the layouts at the top). */
+static inline __attribute__((always_inline)) void widen_codebook_group(
+    const uint8_t *block, const int64_t g, const int type, const super_scales *s, __m256 w[4])
+{
+    const uint8_t *rows = block + 2 + 8 * g; /* IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S */
+    __m256i values;
+    uint32_t signs;
+    if (type == TYPE_IQ2_XXS) {
+        uint32_t a;
+        __builtin_memcpy(&a, rows + 4, 4);
+        values = _mm256_setr_epi64x(row8(grid_iq2_xxs, rows[0]), row8(grid_iq2_xxs, rows[1]),
+                                    row8(grid_iq2_xxs, rows[2]), row8(grid_iq2_xxs, rows[3]));
+        signs = four_ksigns(a);
+    } else if (type == TYPE_IQ2_XS) {
+        uint16_t q[4];
+        __builtin_memcpy(q, rows, 8);
+        values = _mm256_setr_epi64x(row8(grid_iq2_xs, q[0] & 511), row8(grid_iq2_xs, q[1] & 511),
+                                    row8(grid_iq2_xs, q[2] & 511), row8(grid_iq2_xs, q[3] & 511));
+        signs = (uint32_t)ksigns[q[0] >> 9] | (uint32_t)ksigns[q[1] >> 9] << 8 | (uint32_t)ksigns[q[2] >> 9] << 16 |
+                (uint32_t)ksigns[q[3] >> 9] << 24;
+    } else if (type == TYPE_IQ2_S) {
+        const uint8_t *low = block + 2 + 4 * g;
+        const uint32_t high = block[66 + g];
+        values = _mm256_setr_epi64x(row8(grid_iq2_s, low[0] | (high & 3) << 8),
+                                    row8(grid_iq2_s, low[1] | (high & 12) << 6),
+                                    row8(grid_iq2_s, low[2] | (high & 48) << 4),
+                                    row8(grid_iq2_s, low[3] | (high & 192) << 2));
+        __builtin_memcpy(&signs, block + 34 + 4 * g, 4);
+    } else if (type == TYPE_IQ3_XXS) {
+        uint32_t a;
+        __builtin_memcpy(&a, block + 66 + 4 * g, 4);
+        values = _mm256_setr_epi32(row4(grid_iq3_xxs, rows[0]), row4(grid_iq3_xxs, rows[1]), row4(grid_iq3_xxs, rows[2]),
+                                   row4(grid_iq3_xxs, rows[3]), row4(grid_iq3_xxs, rows[4]), row4(grid_iq3_xxs, rows[5]),
+                                   row4(grid_iq3_xxs, rows[6]), row4(grid_iq3_xxs, rows[7]));
+        signs = four_ksigns(a);
+    } else { /* IQ3_S: bit i of qh[g] is the ninth bit of row i */
+        const uint32_t high = block[66 + g];
+        values = _mm256_setr_epi32(
+            row4(grid_iq3_s, rows[0] | (high & 1) << 8), row4(grid_iq3_s, rows[1] | (high & 2) << 7),
+            row4(grid_iq3_s, rows[2] | (high & 4) << 6), row4(grid_iq3_s, rows[3] | (high & 8) << 5),
+            row4(grid_iq3_s, rows[4] | (high & 16) << 4), row4(grid_iq3_s, rows[5] | (high & 32) << 3),
+            row4(grid_iq3_s, rows[6] | (high & 64) << 2), row4(grid_iq3_s, rows[7] | (high & 128) << 1));
+        __builtin_memcpy(&signs, block + 74 + 4 * g, 4);
+    }
+    signed_values(values, signs, w);
+    if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S) { /* a scale for each 16 */
+        const __m256 first = _mm256_broadcast_ss(s->times + 2 * g), second = _mm256_broadcast_ss(s->times + 2 * g + 1);
+        w[0] = _mm256_mul_ps(w[0], first);
+        w[1] = _mm256_mul_ps(w[1], first);
+        w[2] = _mm256_mul_ps(w[2], second);
+        w[3] = _mm256_mul_ps(w[3], second);
+    } else {
+        const __m256 db = _mm256_broadcast_ss(s->times + g);
+        for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(w[j], db);
+    }
+}
+
 /* Group g of a super-block as float32 in w[0..3], to the values the gguf package's float32
  * dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and q * (d *
  * sc) are exact: 11 + 6 + 5 bits), Q2_K likewise (11 + 4 + 2 bits), Q6_K (d * scale) * (q - 32),
@@ -296,6 +460,10 @@ static inline __attribute__((always_inline)) void widen_group(
     const uint8_t *block, const int64_t index, const int part, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
+    if (codebook(type)) { /* group 2 * index + part */
+        widen_codebook_group(block, 2 * index + part, type, s, w);
+        return;
+    }
     if (type == TYPE_Q2_K || type == TYPE_Q3_K) { /* group 4 * index + part, two bits at 2 * part */
         const int64_t g = 4 * index + part;
         const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q3_K ? 32 : 16) + 32 * index));
@@ -421,7 +589,7 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
 /* Runs BODY with `b` the index of each 32-weight group of a row of `blocks` groups and `w` its
  * weights widened (with `bf16`, rounded to bfloat16). A super-block's scales are worked out once
  * for its 8 groups, which come in runs that share their shifts' constants (GROUP): fours in Q6_K,
- * Q3_K and Q2_K, pairs in Q4_K, Q5_K and IQ4_XS. */
+ * Q3_K and Q2_K, pairs in Q4_K, Q5_K, IQ4_XS and the codebook types. */
 #define FOR_EACH_GROUP(row, blocks, type, bf16, ...)                                                 \
     do {                                                                                             \
         if (super_blocks(type)) {                                                                    \
