@@ -1,11 +1,12 @@
-"""The K-quants' (Q2_K to Q6_K) and the IQ4 types' (IQ4_NL, IQ4_XS) blocks written from float32
-weights, for benchmarks and tests.
+"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS) and IQ3_S's blocks written from
+float32 weights, for benchmarks and tests.
 
 The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
 model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
 quantizer: each group of 32 weights (16 in Q6_K, Q3_K, Q2_K) gets the scale (and for Q4_K, Q5_K
 and Q2_K the minimum) that covers its range, and those are quantized to the super-block's 4-, 6-
-or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-linear levels. It
+or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-linear levels;
+IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook. It
 does not search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a
 little further from the originals; what a reader makes of the blocks is the same. Layouts as in
 kernels/cpu/block_linear.c.
@@ -13,9 +14,10 @@ kernels/cpu/block_linear.c.
     blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
 
-The codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) are not written from weights: their
-quantizer searches ggml's codebooks for each group's rows. `random_codebook_blocks` gives valid
-blocks of them with random rows, signs and scales, for the kernel's tests and benchmarks.
+The other codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) are not written from weights: their
+signs come in patterns of even parity, which a nearest-row search alone does not respect.
+`random_codebook_blocks` gives valid blocks of every codebook type with random rows, signs and
+scales, for the kernel's tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ import numpy as np
 from kernels.cpu_block_linear import (
     BLOCK_BYTES,
     CODEBOOKS,
+    IQ3_S,
     IQ4_NL,
     IQ4_XS,
     K_QUANTS,
     TYPE_NAMES,
+    codebook_tables,
     weights_per_block,
 )
 
-WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL)  # the types `quantize` writes
+WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S)  # the types `quantize` writes
 SUPER = weights_per_block(K_QUANTS[0])
 BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in WRITTEN}
 WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in WRITTEN}
@@ -84,6 +88,7 @@ def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
         "Q6_K": _q6_k,
         "IQ4_NL": _iq4_nl,
         "IQ4_XS": _iq4_xs,
+        "IQ3_S": _iq3_s,
     }[type_name]
     return writer(groups).reshape(n, k // size * BYTES[type_name])
 
@@ -216,3 +221,35 @@ def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
     low = (v[:, 0::2] & 0x0F) | ((v[:, 1::2] & 0x0F) << 4)
     high = sum(((v[:, g] >> 4) & 3) << (2 * g) for g in range(8)).astype("<u2")
     return np.concatenate([d_bytes, high.reshape(-1, 1).view(np.uint8), low.astype(np.uint8), quants], axis=1)
+
+
+def _nearest_rows(values: np.ndarray, grid: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+    """Each row of `values` [m, w]'s nearest row of `grid` [rows, w] (squared distance), [m]."""
+    norms = (grid * grid).sum(axis=1)
+    nearest = np.empty(len(values), dtype=np.int64)
+    for start in range(0, len(values), chunk):
+        part = values[start : start + chunk]
+        nearest[start : start + chunk] = (norms[None, :] - 2 * part @ grid.T).argmin(axis=1)
+    return nearest
+
+
+def _iq3_s(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_S: group g's db = d * (1 + 2 * s_g) puts its largest magnitude near 15, the codebook's
+    top; each four magnitudes over db take their nearest codebook row, each weight its sign."""
+    grid = codebook_tables()[4].astype(np.float32)  # 512 rows of 4 odd values, 1 to 15
+    groups = blocks.reshape(-1, 8, 32)
+    ideal = np.abs(groups).max(axis=2) / 15  # [blocks, 8]
+    d_bytes, d = _half(ideal.max(axis=1) / 31)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.where(d[:, None] > 0, np.rint((ideal / d[:, None] - 1) / 2), 0.0)
+    s = np.clip(s, 0, 15).astype(np.uint8)
+    db = d[:, None] * (1 + 2 * s.astype(np.float32))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(db[:, :, None] > 0, np.abs(groups) / db[:, :, None], 0.0)
+    rows = _nearest_rows(scaled.reshape(-1, 4).astype(np.float32), grid).reshape(-1, 64)
+    qs = (rows & 255).astype(np.uint8)
+    bits = np.arange(8, dtype=np.uint8)
+    qh = (((rows >> 8) & 1).astype(np.uint8).reshape(-1, 8, 8) << bits).sum(axis=2).astype(np.uint8)
+    signs = ((groups.reshape(-1, 32, 8) < 0).astype(np.uint8) << bits).sum(axis=2).astype(np.uint8)
+    scales = (s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8)
+    return np.concatenate([d_bytes, qs, qh, signs, scales], axis=1)

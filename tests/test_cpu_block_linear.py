@@ -121,7 +121,7 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
 
 
 WRITTEN = k_quants.WRITTEN  # the types bench/k_quants.py writes
-BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4}
+BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4, IQ3_S: 3}
 
 
 @pytest.mark.parametrize("type_", WRITTEN)
@@ -174,6 +174,7 @@ def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
         "Q2_K": "IQ4_NL",
         "Q3_K": "IQ4_NL",
         "IQ4_XS": "IQ4_NL",
+        "IQ3_S": "IQ4_NL",
         "Q4_K": "Q5_0",
         "Q5_K": "Q5_1",
         "Q6_K": "Q8_0",
