@@ -460,10 +460,6 @@ static inline __attribute__((always_inline)) void widen_group(
     const uint8_t *block, const int64_t index, const int part, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    if (codebook(type)) { /* group 2 * index + part */
-        widen_codebook_group(block, 2 * index + part, type, s, w);
-        return;
-    }
     if (type == TYPE_Q2_K || type == TYPE_Q3_K) { /* group 4 * index + part, two bits at 2 * part */
         const int64_t g = 4 * index + part;
         const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q3_K ? 32 : 16) + 32 * index));
@@ -597,7 +593,17 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
                 const uint8_t *block = (row) + (first >> 3) * block_bytes(type);                     \
                 super_scales scales;                                                                 \
                 prepare_super(block, type, &scales);                                                 \
-                if (type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K) {                   \
+                if (codebook(type)) { /* one copy of the loop: no shifts to share, and each  */   \
+                    /* unrolled copy of a codebook group would lengthen the build */                 \
+                    _Pragma("GCC unroll 1") for (int64_t g = 0; g < 8; g++) {                        \
+                        const int64_t b = first + g;                                                 \
+                        __m256 w[4];                                                                 \
+                        widen_codebook_group(block, g, type, &scales, w);                            \
+                        if (bf16)                                                                    \
+                            for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);                     \
+                        __VA_ARGS__                                                                  \
+                    }                                                                                \
+                } else if (type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K) {            \
                     for (int64_t index = 0; index < 2; index++) {                                    \
                         GROUP(4, 0, __VA_ARGS__)                                                     \
                         GROUP(4, 1, __VA_ARGS__)                                                     \
