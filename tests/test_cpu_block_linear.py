@@ -447,6 +447,33 @@ def test_gguf_16_bit_weights_are_blocks_too(tmp_path: Path) -> None:
     assert load_block_weights(tmp_path / "small.gguf", None, sixteen_bit=False) == {}  # type: ignore[arg-type]
 
 
+HF_NAMES = {
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """blk.L.ffn_up.weight → model.layers.L.mlp.up_proj.weight (the matrices these tests write)."""
+    _, layer, kind, _ = gguf_name.split(".")
+    return f"model.layers.{layer}.{HF_NAMES[kind]}.weight"
+
+
+def gguf_of(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> Path:
+    """A llama GGUF file at `path` holding these tensors, each (type name, its blocks' bytes)."""
+    writer = gguf.GGUFWriter(path, arch="llama")
+    for name, (type_name, blocks) in tensors.items():
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
     """K-quant and IQ4 tensors of a GGUF file come as blocks, the values load_model dequantizes."""
     rng = np.random.default_rng(1)
@@ -459,27 +486,13 @@ def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
         "blk.1.attn_output.weight": ("IQ4_NL", rng.standard_normal((64, 256), dtype=np.float32)),
         "blk.0.attn_v.weight": ("IQ4_XS", rng.standard_normal((64, 256), dtype=np.float32)),
     }
-    writer = gguf.GGUFWriter(tmp_path / "k.gguf", arch="llama")
-    for name, (type_name, dense) in stored.items():
-        quant = gguf.GGMLQuantizationType[type_name]
-        writer.add_tensor(name, k_quants.quantize(dense, type_name), raw_dtype=quant)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    blocks = load_block_weights(tmp_path / "k.gguf", None)  # type: ignore[arg-type]
-    names = {
-        "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
-        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
-        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
-        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
-        "blk.1.ffn_up.weight": "model.layers.1.mlp.up_proj.weight",
-        "blk.1.attn_output.weight": "model.layers.1.self_attn.o_proj.weight",
-        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+    written = {
+        name: (type_name, k_quants.quantize(dense, type_name)) for name, (type_name, dense) in stored.items()
     }
-    assert set(blocks) == set(names.values())
+    blocks = load_block_weights(gguf_of(tmp_path / "k.gguf", written), None)  # type: ignore[arg-type]
+    assert set(blocks) == {hf_name(name) for name in stored}
     for gguf_name, (type_name, dense) in stored.items():
-        block = blocks[names[gguf_name]]
+        block = blocks[hf_name(gguf_name)]
         assert (block.type_name, block.n, block.k) == (type_name, *dense.shape)
         want = gguf.quants.dequantize(
             k_quants.quantize(dense, type_name), gguf.GGMLQuantizationType[type_name]
@@ -502,26 +515,13 @@ def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
     raw = {
         name: k_quants.random_codebook_blocks(type_name, *shape, rng) for name, type_name in stored.items()
     }
-    writer = gguf.GGUFWriter(tmp_path / "iq.gguf", arch="llama")
-    for name, type_name in stored.items():
-        writer.add_tensor(name, raw[name], raw_dtype=gguf.GGMLQuantizationType[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    blocks = load_block_weights(tmp_path / "iq.gguf", None)  # type: ignore[arg-type]
-    names = {
-        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
-        "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
-        "blk.0.ffn_up.weight": "model.layers.0.mlp.up_proj.weight",
-        "blk.0.ffn_gate.weight": "model.layers.0.mlp.gate_proj.weight",
-        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
-    }
-    assert set(blocks) == set(names.values())
+    written = {name: (type_name, raw[name]) for name, type_name in stored.items()}
+    blocks = load_block_weights(gguf_of(tmp_path / "iq.gguf", written), None)  # type: ignore[arg-type]
+    assert set(blocks) == {hf_name(name) for name in stored}
     x = torch.randn(3, shape[1])
     kernel = block_kernel()
-    for gguf_name, name in names.items():
-        block = blocks[name]
+    for gguf_name in stored:
+        block = blocks[hf_name(gguf_name)]
         assert (block.type_name, block.n, block.k) == (stored[gguf_name], *shape)
         want = gguf.quants.dequantize(raw[gguf_name], gguf.GGMLQuantizationType[stored[gguf_name]])
         assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
