@@ -268,7 +268,8 @@ static inline __attribute__((always_inline)) void nl_to_floats(const uint8_t *q,
 
 /* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
  * group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32) and Q2_K d * (scale & 15)
- * and -(dmin * (scale >> 4)) per 16 weights. */
+ * and -(dmin * (scale >> 4)) per 16 weights, and the codebook types' db per group (IQ2_XXS,
+ * IQ3_XXS, IQ3_S) or per 16 weights (IQ2_XS, IQ2_S). */
 typedef struct {
     float times[16];
     float minus[16];
