@@ -25,6 +25,7 @@ bfloat16 weight multiplies on itself (`BlockWeight.dense`, no copy).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -236,10 +237,12 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
     return (d * (values - offset)).reshape(-1)
 
 
+@functools.cache
 def codebook_tables() -> tuple[np.ndarray, ...]:
     """ggml's codebooks as the gguf package holds them, as unsigned bytes: IQ2_XXS's grid (256 rows
     of 8), IQ2_XS's (512), IQ2_S's (1024), IQ3_XXS's (256 rows of 4), IQ3_S's (512), then the 128
-    sign patterns of the IQ2 types and IQ3_XXS."""
+    sign patterns of the IQ2 types and IQ3_XXS. Made once; the libraries hold pointers into them,
+    which the cache keeps alive."""
     grids = []
     for quant in (
         gguf.quants.IQ2_XXS,
@@ -261,7 +264,6 @@ def codebook_tables() -> tuple[np.ndarray, ...]:
 
 _lock = threading.Lock()
 _loaded: dict[torch.dtype, Callable[..., int]] = {}  # each element type's entry, its own build
-_codebooks: tuple[np.ndarray, ...] = ()  # handed to every library loaded; they must outlive it
 
 # duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
@@ -337,10 +339,9 @@ def _entry(dtype: torch.dtype) -> Callable[..., int]:
     with _lock:
         if dtype not in _loaded:
             library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}))
-            global _codebooks
-            _codebooks = _codebooks or codebook_tables()
-            library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(_codebooks)
-            library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in _codebooks))
+            tables = codebook_tables()
+            library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)
+            library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))
             function = (
                 library.duoserve_block_linear_bf16
                 if dtype == torch.bfloat16
