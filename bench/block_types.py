@@ -5,7 +5,7 @@ the super-block types apply), against oneDNN's packed float32 kernel on the same
     .venv/bin/python bench/block_types.py [--rows 1 4 16 256] [--layers 2] [--types Q4_0 IQ2_XS ...]
 
 Each type's weights are random, quantized by the gguf package (the K-quants and IQ4 types by
-bench/k_quants.py); the codebook types' (IQ2_XXS to IQ3_S) are random blocks of theirs.
+bench/k_quants.py); the codebook types' (IQ1_S to IQ3_S) are random blocks of theirs.
 `--layers` copies of the layer are streamed in turn, so that a pass does not find the last one's
 weights in cache; the types take turns, medians of 7 passes. It prints milliseconds per layer,
 and for the decode-sized rows the bytes streamed per second.
@@ -39,7 +39,7 @@ SHAPES = {
     "down": (HIDDEN, FFN),
 }
 TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K"]
-TYPES += ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS"]  # random blocks: no writer here
+TYPES += ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]  # random blocks: no writer here
 
 
 def quantized(type_name: str, dense: np.ndarray) -> BlockWeight:

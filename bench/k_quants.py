@@ -15,7 +15,8 @@ kernels/cpu/block_linear.c.
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
 
 The other codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) are not written from weights: their
-signs come in patterns of even parity, which a nearest-row search alone does not respect.
+signs come in patterns of even parity, which a nearest-row search alone does not respect. Nor are
+IQ1_S and IQ1_M, whose 2048 rows of -1, 0 and 1 need a search over each group's shared delta.
 `random_codebook_blocks` gives valid blocks of every codebook type with random rows, signs and
 scales, for the kernel's tests and benchmarks.
 """
@@ -58,15 +59,23 @@ def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
 
 def random_codebook_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """An [n, k] weight (k in 256s) of a codebook type as random blocks, uint8 [n, k / 256 * bytes].
-    Every byte pattern after a block's fp16 d is a valid block; d is drawn so that the weights
-    come out about 1 / sqrt(k) in size, as a trained layer's do."""
+    Every byte pattern around a block's fp16 d is a valid block (IQ1_M keeps d in the top nibbles
+    of its last 8 bytes); d is drawn so that the weights come out about 1 / sqrt(k) in size, as a
+    trained layer's do."""
     if type_name not in CODEBOOK_BYTES:
         raise ValueError(f"type_name: got {type_name!r}, expected one of {sorted(CODEBOOK_BYTES)}")
     if n <= 0 or k <= 0 or k % SUPER:
         raise ValueError(f"k: got {k}, expected a positive multiple of {SUPER} (and n > 0, got {n})")
     blocks = rng.integers(0, 256, size=(n * k // SUPER, CODEBOOK_BYTES[type_name]), dtype=np.uint8)
-    d = rng.uniform(0.5, 1.0, size=(len(blocks), 1)) / (64 * k**0.5)
-    blocks[:, :2] = d.astype(np.float16).view(np.uint8)
+    # A weight is d times about 50 in the IQ2 and IQ3 types (scale times grid value), about 5 in IQ1.
+    d = rng.uniform(0.5, 1.0, size=(len(blocks), 1)) / ((8 if type_name.startswith("IQ1") else 64) * k**0.5)
+    bits = d.astype(np.float16).view(np.uint16)
+    if type_name == "IQ1_M":  # nibble i of d on top of the i-th of the four uint16 scales
+        scales = blocks[:, 48:].copy().view(np.uint16)
+        scales = (scales & 0x0FFF) | ((bits >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF) << 12
+        blocks[:, 48:] = scales.astype(np.uint16).view(np.uint8)
+    else:
+        blocks[:, :2] = bits.view(np.uint8)
     return blocks.reshape(n, -1)
 
 

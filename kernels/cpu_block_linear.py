@@ -1,7 +1,7 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
 steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, and the
 super-blocks of 256 weights of the K-quants Q2_K to Q6_K, of IQ4_XS and of the codebook types
-IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF file or a
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF file or a
 safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
@@ -44,7 +44,7 @@ DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 # ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (super-blocks) 256.
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
-IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
 BLOCK_BYTES = {
     F16: 64,
     Q4_0: 18,
@@ -64,11 +64,13 @@ BLOCK_BYTES = {
     IQ2_S: 82,
     IQ3_XXS: 98,
     IQ3_S: 110,
+    IQ1_S: 50,
+    IQ1_M: 56,
     BF16: 64,
 }
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
-# Weights as rows of ggml's codebooks (gguf.quants' grids) with a sign each.
-CODEBOOKS = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S)
+# Weights as rows of ggml's codebooks (gguf.quants' grids) with a sign each (IQ1's: a delta per row).
+CODEBOOKS = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
 SUPER_BLOCKS = (*K_QUANTS, IQ4_XS, *CODEBOOKS)  # the types of 256 weights a block
 TYPE_NAMES = {
     F16: "F16",
@@ -89,6 +91,8 @@ TYPE_NAMES = {
     IQ2_S: "IQ2_S",
     IQ3_XXS: "IQ3_XXS",
     IQ3_S: "IQ3_S",
+    IQ1_S: "IQ1_S",
+    IQ1_M: "IQ1_M",
     BF16: "BF16",
 }
 # The 16-bit float types: their blocks are the weight's own elements.
@@ -239,8 +243,9 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
 
 @functools.cache
 def codebook_tables() -> tuple[np.ndarray, ...]:
-    """ggml's codebooks as the gguf package holds them, as unsigned bytes: IQ2_XXS's grid (256 rows
-    of 8), IQ2_XS's (512), IQ2_S's (1024), IQ3_XXS's (256 rows of 4), IQ3_S's (512), then the 128
+    """ggml's codebooks as the gguf package holds them, as bytes: IQ2_XXS's grid (256 rows of 8),
+    IQ2_XS's (512), IQ2_S's (1024), IQ3_XXS's (256 rows of 4), IQ3_S's (512), as unsigned values;
+    the IQ1 types' (2048 rows of 8 of -1, 0 and 1) as 8 times its values, signed; then the 128
     sign patterns of the IQ2 types and IQ3_XXS. Made once; the libraries hold pointers into them,
     which the cache keeps alive."""
     grids = []
@@ -257,6 +262,11 @@ def codebook_tables() -> tuple[np.ndarray, ...]:
         rows = grid.astype(np.uint8)
         assert np.array_equal(rows.astype(np.float32), grid), f"{quant.__name__}'s grid is not bytes"
         grids.append(np.ascontiguousarray(rows))
+    gguf.quants.IQ1_S.init_grid()
+    assert gguf.quants.IQ1_S.grid is not None
+    ternary = np.asarray(gguf.quants.IQ1_S.grid, dtype=np.float32).reshape(gguf.quants.IQ1_S.grid_shape)
+    assert np.isin(ternary, (-1.0, 0.0, 1.0)).all(), "IQ1_S's grid is not of -1, 0 and 1"
+    grids.append(np.ascontiguousarray((8 * ternary).astype(np.int8)))
     signs = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
     assert signs.shape == (128,)
     return (*grids, signs)

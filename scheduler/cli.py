@@ -176,7 +176,7 @@ WORKER_FLAGS = (
         bool,
         True,
         "CPU linears multiply the weights as the model's files store them (a GGUF file's "
-        "Q8_0/Q5_0/Q5_1/Q4_0/Q4_1/IQ4_NL blocks, Q2_K-Q6_K/IQ4_XS/IQ2_XXS-IQ3_S super-blocks and "
+        "Q8_0/Q5_0/Q5_1/Q4_0/Q4_1/IQ4_NL blocks, Q2_K-Q6_K/IQ4_XS/IQ1_S-IQ3_S super-blocks and "
         "F16/BF16 tensors, a "
         "directory's float16/bfloat16 tensors), widened in "
         "registers: in float32 steps of 1-256 rows (else the float32 copies), and in bfloat16 on "

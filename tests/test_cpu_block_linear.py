@@ -1,6 +1,7 @@
 """The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks, on
 IQ4_NL blocks and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks (those written by bench/k_quants.py),
-on IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S super-blocks (random ones: every byte pattern is a block) and
+on IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S super-blocks (random ones: every byte pattern
+around their fp16 d is a block) and
 on F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
 
 from __future__ import annotations
@@ -30,11 +31,7 @@ from kernels.cpu_block_linear import (
     CODEBOOKS,
     DTYPES,
     F16,
-    IQ2_S,
-    IQ2_XS,
-    IQ2_XXS,
     IQ3_S,
-    IQ3_XXS,
     IQ4_NL,
     IQ4_XS,
     Q2_K,
@@ -42,8 +39,6 @@ from kernels.cpu_block_linear import (
     Q4_0,
     Q4_1,
     Q4_K,
-    Q5_0,
-    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -60,27 +55,7 @@ from kernels.cpu_block_linear import (
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 
-TYPES = {
-    Q4_0: gguf.GGMLQuantizationType.Q4_0,
-    Q4_1: gguf.GGMLQuantizationType.Q4_1,
-    Q5_0: gguf.GGMLQuantizationType.Q5_0,
-    Q5_1: gguf.GGMLQuantizationType.Q5_1,
-    Q8_0: gguf.GGMLQuantizationType.Q8_0,
-    IQ4_NL: gguf.GGMLQuantizationType.IQ4_NL,
-    Q2_K: gguf.GGMLQuantizationType.Q2_K,
-    Q3_K: gguf.GGMLQuantizationType.Q3_K,
-    Q4_K: gguf.GGMLQuantizationType.Q4_K,
-    Q5_K: gguf.GGMLQuantizationType.Q5_K,
-    Q6_K: gguf.GGMLQuantizationType.Q6_K,
-    IQ4_XS: gguf.GGMLQuantizationType.IQ4_XS,
-    IQ2_XXS: gguf.GGMLQuantizationType.IQ2_XXS,
-    IQ2_XS: gguf.GGMLQuantizationType.IQ2_XS,
-    IQ2_S: gguf.GGMLQuantizationType.IQ2_S,
-    IQ3_XXS: gguf.GGMLQuantizationType.IQ3_XXS,
-    IQ3_S: gguf.GGMLQuantizationType.IQ3_S,
-    F16: gguf.GGMLQuantizationType.F16,
-    BF16: gguf.GGMLQuantizationType.BF16,
-}
+TYPES = {type_: gguf.GGMLQuantizationType(type_) for type_ in BLOCK_BYTES}  # every type the kernel takes
 
 
 def whole(type_: int, k: int) -> int:
@@ -242,6 +217,19 @@ def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int
     assert torch.equal(kernel(x, weight)[:, :5], kernel(x, weight, torch.zeros_like(bias))[:, :5])
 
 
+@pytest.mark.parametrize("type_", sorted(TYPES))
+def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: int) -> None:
+    """Each widened weight is the gguf package's float32 value itself, not one close to it."""
+    k = whole(type_, 576)
+    weight = block_weight(type_, 40, k, seed=3 * type_)
+    picked = torch.arange(0, k, 9)
+    x = torch.zeros(len(picked), k)
+    x[torch.arange(len(picked)), picked] = 1.0  # y[r, o] = w[o, picked[r]], one product each
+    want = weight.dequantize()[:, picked].T
+    assert torch.equal(kernel(x, weight), want)  # tiled
+    assert torch.equal(kernel(x[:3], weight), want[:3])  # streamed
+
+
 @pytest.mark.parametrize("type_", sorted(set(TYPES) - {BF16}))  # BF16 weights are bfloat16 already
 def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
     k = whole(type_, 576)
@@ -299,7 +287,7 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(19, torch.zeros(4, 50, dtype=torch.uint8), 256)  # IQ1_S: not a block kernel type
+        BlockWeight(34, torch.zeros(4, 54, dtype=torch.uint8), 256)  # TQ1_0: not a block kernel type
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"k: got 288, expected a positive multiple of 256 for Q4_K"):
@@ -501,7 +489,7 @@ def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
 
 
 def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
-    """IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as blocks, with the
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as blocks, with the
     values the gguf package dequantizes them to, and multiply on the kernel as those values."""
     rng = np.random.default_rng(2)
     stored = {
@@ -510,6 +498,8 @@ def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
         "blk.0.ffn_up.weight": "IQ2_S",
         "blk.0.ffn_gate.weight": "IQ3_XXS",
         "blk.0.ffn_down.weight": "IQ3_S",
+        "blk.1.ffn_up.weight": "IQ1_S",
+        "blk.1.ffn_down.weight": "IQ1_M",
     }
     shape = (64, 512)
     raw = {

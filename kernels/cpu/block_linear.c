@@ -1,7 +1,7 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
  * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS, and the
- * codebook types IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit
+ * codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit
  * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every
  * weight once and does two flops with each byte-sized piece of it, so its time is the weights'
  * bytes over the memory's speed:
@@ -53,8 +53,20 @@
  * weights: IQ3_XXS rows qs[8g + 2l], qs[8g + 2l + 1] of 256, signs KSIGNS[(a[g] >> 7l) & 127], db
  * = d * (0.5 + (a[g] >> 28)) / 2; IQ3_S rows qs[i] + 256 * (bit i % 8 of qh[g]) of 512 for i =
  * 8g + 2l and the next, signs[4g + l], db = d * (1 + 2 * (nibble g of scales)). KSIGNS[i] is i
- * with an eighth bit that makes its bits' count even. The tables are the gguf package's, handed
- * over once by duoserve_block_linear_use_codebooks.
+ * with an eighth bit that makes its bits' count even.
+ *
+ * IQ1_S and IQ1_M take their rows from one 2048-row grid of values -1, 0 and 1, and shift each
+ * row by a delta of +-1/8 instead of signing it:
+ *   IQ1_S: fp16 d, uint8 qs[32], uint16 qh[8]                                   (50 bytes)
+ *   IQ1_M: uint8 qs[32], uint8 qh[16], uint16 scales[4]                         (56 bytes)
+ * IQ1_S group g's weights 8l .. 8l + 7 are dl * (grid[qs[4g + l] + 256 * ((qh[g] >> 3l) & 7)] +
+ * delta), dl = d * (1 + 2 * ((qh[g] >> 12) & 7)), delta -1/8 where bit 15 of qh[g] is set, else
+ * 1/8. IQ1_M's row l of group g takes the nibble (qh[2g + l / 2] >> 4 (l % 2)): its low three bits
+ * are the row's ninth to eleventh, and bit 3 makes its delta -1/8. Its dl is one per 16 weights,
+ * d * (1 + 2 * three bits 3 (i % 4) of scales[i / 4]) for the 16th i, and its fp16 d is the top
+ * nibbles of scales[0..3], scales[0]'s lowest. The kernel widens 8 * grid + 8 * delta (-9 to 9,
+ * bytes) and multiplies by dl / 8: the same values, exactly. The tables are the gguf package's,
+ * handed over once by duoserve_block_linear_use_codebooks.
  *
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits, or d times a scale of at most 8
@@ -104,10 +116,12 @@ enum {
     TYPE_IQ2_XXS = 16,
     TYPE_IQ2_XS = 17,
     TYPE_IQ3_XXS = 18,
+    TYPE_IQ1_S = 19,
     TYPE_IQ4_NL = 20,
     TYPE_IQ3_S = 21,
     TYPE_IQ2_S = 22,
     TYPE_IQ4_XS = 23,
+    TYPE_IQ1_M = 29,
     TYPE_BF16 = 30
 };
 
@@ -118,7 +132,7 @@ enum {
 #define BFLOAT16 0
 #endif
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the nineteen) and B the build's
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the twenty-one) and B the build's
  * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
  * rounding to bfloat16, so they take B = 0 either way. */
 #define WITH_TYPE(type, CALL)                                                                        \
@@ -141,6 +155,8 @@ enum {
         case TYPE_IQ2_S: CALL(TYPE_IQ2_S, BFLOAT16); break;                                          \
         case TYPE_IQ3_XXS: CALL(TYPE_IQ3_XXS, BFLOAT16); break;                                      \
         case TYPE_IQ3_S: CALL(TYPE_IQ3_S, BFLOAT16); break;                                          \
+        case TYPE_IQ1_S: CALL(TYPE_IQ1_S, BFLOAT16); break;                                          \
+        case TYPE_IQ1_M: CALL(TYPE_IQ1_M, BFLOAT16); break;                                          \
         case TYPE_F16: CALL(TYPE_F16, BFLOAT16); break;                                              \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
@@ -159,7 +175,7 @@ static inline float half_to_float(const uint8_t *p)
 static inline int codebook(int type)
 {
     return type == TYPE_IQ2_XXS || type == TYPE_IQ2_XS || type == TYPE_IQ2_S || type == TYPE_IQ3_XXS ||
-           type == TYPE_IQ3_S;
+           type == TYPE_IQ3_S || type == TYPE_IQ1_S || type == TYPE_IQ1_M;
 }
 
 static inline int super_blocks(int type)
@@ -168,17 +184,19 @@ static inline int super_blocks(int type)
            type == TYPE_IQ4_XS || codebook(type);
 }
 
-/* ggml's codebooks as unsigned bytes, rows of 8 (IQ2) or 4 (IQ3), and its sign patterns: set once
- * by duoserve_block_linear_use_codebooks before any codebook type is multiplied. */
-static const uint8_t *grid_iq2_xxs, *grid_iq2_xs, *grid_iq2_s, *grid_iq3_xxs, *grid_iq3_s, *ksigns;
+/* ggml's codebooks as bytes, rows of 8 (IQ2, IQ1) or 4 (IQ3), and its sign patterns: set once by
+ * duoserve_block_linear_use_codebooks before any codebook type is multiplied. */
+static const uint8_t *grid_iq2_xxs, *grid_iq2_xs, *grid_iq2_s, *grid_iq3_xxs, *grid_iq3_s, *grid_iq1, *ksigns;
 
 /* Hands over the tables: IQ2_XXS's 256 rows of 8, IQ2_XS's 512, IQ2_S's 1024, IQ3_XXS's 256 rows
- * of 4, IQ3_S's 512, and the 128 sign patterns. They must outlive every call. */
+ * of 4, IQ3_S's 512 (unsigned values), the IQ1 types' 2048 rows of 8 (signed: 8 times -1, 0 or
+ * 1), and the 128 sign patterns. They must outlive every call. */
 void duoserve_block_linear_use_codebooks(const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s,
-                                         const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *signs)
+                                         const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *iq1,
+                                         const uint8_t *signs)
 {
     grid_iq2_xxs = iq2_xxs, grid_iq2_xs = iq2_xs, grid_iq2_s = iq2_s;
-    grid_iq3_xxs = iq3_xxs, grid_iq3_s = iq3_s, ksigns = signs;
+    grid_iq3_xxs = iq3_xxs, grid_iq3_s = iq3_s, grid_iq1 = iq1, ksigns = signs;
 }
 
 static inline int known_type(int type)
@@ -213,6 +231,8 @@ static inline int64_t block_bytes(int type)
            : type == TYPE_IQ2_S ? 82
            : type == TYPE_IQ3_XXS ? 98
            : type == TYPE_IQ3_S ? 110
+           : type == TYPE_IQ1_S ? 50
+           : type == TYPE_IQ1_M ? 56
                                : 64;
 }
 static inline int64_t quants_at(int type)
@@ -269,7 +289,7 @@ static inline __attribute__((always_inline)) void nl_to_floats(const uint8_t *q,
 /* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
  * group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32) and Q2_K d * (scale & 15)
  * and -(dmin * (scale >> 4)) per 16 weights, and the codebook types' db per group (IQ2_XXS,
- * IQ3_XXS, IQ3_S) or per 16 weights (IQ2_XS, IQ2_S). */
+ * IQ3_XXS, IQ3_S; IQ1_S's dl / 8) or per 16 weights (IQ2_XS, IQ2_S; IQ1_M's dl / 8). */
 typedef struct {
     float times[16];
     float minus[16];
@@ -289,9 +309,24 @@ static inline __attribute__((always_inline)) void scaled_bytes(
 
 static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
 {
-    if (codebook(type)) { /* db per group (IQ2_XXS, IQ3_XXS, IQ3_S) or per 16 weights (IQ2_XS, IQ2_S) */
+    if (type == TYPE_IQ1_M) { /* dl / 8 per 16 weights; d from the scales' top nibbles */
+        uint64_t scales;
+        __builtin_memcpy(&scales, block + 48, 8);
+        const uint16_t bits = (uint16_t)((scales >> 12 & 0x000f) | (scales >> 24 & 0x00f0) | (scales >> 36 & 0x0f00) |
+                                         (scales >> 48 & 0xf000));
+        const float d = _cvtsh_ss(bits) * 0.125f;
+        for (int i = 0; i < 16; i++) s->times[i] = d * (float)(1 + 2 * ((scales >> (16 * (i / 4) + 3 * (i % 4))) & 7));
+        return;
+    }
+    if (codebook(type)) { /* db per group (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S) or per 16 (IQ2_XS, IQ2_S) */
         const float d = half_to_float(block);
-        if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S) {
+        if (type == TYPE_IQ1_S) { /* dl / 8: the scale in bits 12-14 of qh[g] */
+            for (int g = 0; g < 8; g++) {
+                uint16_t qh;
+                __builtin_memcpy(&qh, block + 34 + 2 * g, 2);
+                s->times[g] = d * 0.125f * (float)(1 + 2 * ((qh >> 12) & 7));
+            }
+        } else if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S) {
             const uint8_t *scales = block + (type == TYPE_IQ2_XS ? 66 : 74);
             for (int i = 0; i < 16; i++) s->times[i] = d * (0.5f + (float)((scales[i / 2] >> (4 * (i % 2))) & 15)) * 0.25f;
         } else if (type == TYPE_IQ3_S) {
@@ -399,8 +434,25 @@ static inline __attribute__((always_inline)) void widen_codebook_group(
 {
     const uint8_t *rows = block + 2 + 8 * g; /* IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S */
     __m256i values;
-    uint32_t signs;
-    if (type == TYPE_IQ2_XXS) {
+    uint32_t signs = 0;
+    if (type == TYPE_IQ1_S) { /* 8 * grid values, shifted by one delta */
+        const uint8_t *low = block + 2 + 4 * g;
+        uint16_t high;
+        __builtin_memcpy(&high, block + 34 + 2 * g, 2);
+        values = _mm256_add_epi8(
+            _mm256_setr_epi64x(row8(grid_iq1, low[0] | (high & 7) << 8), row8(grid_iq1, low[1] | (high & 56) << 5),
+                               row8(grid_iq1, low[2] | (high & 448) << 2), row8(grid_iq1, low[3] | (high & 3584) >> 1)),
+            _mm256_set1_epi8(high & 0x8000 ? -1 : 1));
+    } else if (type == TYPE_IQ1_M) { /* each row with its own delta */
+        const uint8_t *low = block + 4 * g;
+        const uint32_t high = block[32 + 2 * g] | (uint32_t)block[33 + 2 * g] << 8;
+        const __m256i bit = _mm256_setr_epi64x(0x8, 0x80, 0x800, 0x8000); /* row l's delta bit */
+        const __m256i down = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(high), bit), bit);
+        values = _mm256_add_epi8(
+            _mm256_setr_epi64x(row8(grid_iq1, low[0] | (high & 7) << 8), row8(grid_iq1, low[1] | (high & 0x70) << 4),
+                               row8(grid_iq1, low[2] | (high & 0x700)), row8(grid_iq1, low[3] | (high & 0x7000) >> 4)),
+            _mm256_or_si256(down, _mm256_set1_epi8(1))); /* -1 bytes where the bit is set, else 1 */
+    } else if (type == TYPE_IQ2_XXS) {
         uint32_t a;
         __builtin_memcpy(&a, rows + 4, 4);
         values = _mm256_setr_epi64x(row8(grid_iq2_xxs, rows[0]), row8(grid_iq2_xxs, rows[1]),
@@ -437,8 +489,11 @@ static inline __attribute__((always_inline)) void widen_codebook_group(
             row4(grid_iq3_s, rows[6] | (high & 64) << 2), row4(grid_iq3_s, rows[7] | (high & 128) << 1));
         __builtin_memcpy(&signs, block + 74 + 4 * g, 4);
     }
-    signed_values(values, signs, w);
-    if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S) { /* a scale for each 16 */
+    if (type == TYPE_IQ1_S || type == TYPE_IQ1_M)
+        bytes_to_floats(values, 1, w);
+    else
+        signed_values(values, signs, w);
+    if (type == TYPE_IQ2_XS || type == TYPE_IQ2_S || type == TYPE_IQ1_M) { /* a scale for each 16 */
         const __m256 first = _mm256_broadcast_ss(s->times + 2 * g), second = _mm256_broadcast_ss(s->times + 2 * g + 1);
         w[0] = _mm256_mul_ps(w[0], first);
         w[1] = _mm256_mul_ps(w[1], first);
