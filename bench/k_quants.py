@@ -1,12 +1,15 @@
-"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS) and IQ3_S's blocks written from
-float32 weights, for benchmarks and tests.
+"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS), IQ3_S's and the IQ1 types'
+blocks written from float32 weights, for benchmarks and tests.
 
 The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
 model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
 quantizer: each group of 32 weights (16 in Q6_K, Q3_K, Q2_K) gets the scale (and for Q4_K, Q5_K
 and Q2_K the minimum) that covers its range, and those are quantized to the super-block's 4-, 6-
 or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-linear levels;
-IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook. It
+IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook; IQ1_S and IQ1_M
+scale each group (each 16 weights in IQ1_M) to 1.2 times its root mean square and take each eight
+weights' nearest row of their 2048-row grid of -1, 0 and 1 with whichever delta (+-1/8) loses
+least, shared by the group in IQ1_S, a row's own in IQ1_M. It
 does not search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a
 little further from the originals; what a reader makes of the blocks is the same. Layouts as in
 kernels/cpu/block_linear.c.
@@ -15,8 +18,7 @@ kernels/cpu/block_linear.c.
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
 
 The other codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) are not written from weights: their
-signs come in patterns of even parity, which a nearest-row search alone does not respect. Nor are
-IQ1_S and IQ1_M, whose 2048 rows of -1, 0 and 1 need a search over each group's shared delta.
+signs come in patterns of even parity, which a nearest-row search alone does not respect.
 `random_codebook_blocks` gives valid blocks of every codebook type with random rows, signs and
 scales, for the kernel's tests and benchmarks.
 """
@@ -29,6 +31,8 @@ import numpy as np
 from kernels.cpu_block_linear import (
     BLOCK_BYTES,
     CODEBOOKS,
+    IQ1_M,
+    IQ1_S,
     IQ3_S,
     IQ4_NL,
     IQ4_XS,
@@ -38,7 +42,7 @@ from kernels.cpu_block_linear import (
     weights_per_block,
 )
 
-WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S)  # the types `quantize` writes
+WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S, IQ1_S, IQ1_M)  # the types `quantize` writes
 SUPER = weights_per_block(K_QUANTS[0])
 BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in WRITTEN}
 WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in WRITTEN}
@@ -98,6 +102,8 @@ def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
         "IQ4_NL": _iq4_nl,
         "IQ4_XS": _iq4_xs,
         "IQ3_S": _iq3_s,
+        "IQ1_S": _iq1_s,
+        "IQ1_M": _iq1_m,
     }[type_name]
     return writer(groups).reshape(n, k // size * BYTES[type_name])
 
@@ -262,3 +268,76 @@ def _iq3_s(blocks: np.ndarray) -> np.ndarray:
     signs = ((groups.reshape(-1, 32, 8) < 0).astype(np.uint8) << bits).sum(axis=2).astype(np.uint8)
     scales = (s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8)
     return np.concatenate([d_bytes, qs, qh, signs, scales], axis=1)
+
+
+# IQ1's rows take each eight weights over dl to the grid's -1, 0 or 1 plus a delta: dl near 1.2
+# times the weights' root mean square puts the ternary levels where they lose least for
+# bell-shaped weights.
+IQ1_SPREAD = 1.2
+IQ1_DELTA = 0.125
+
+
+def _iq1_rows(scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row of 8 `scaled` weights [m, 8]'s nearest grid row with the delta +1/8, and with -1/8:
+    the rows [2, m] and their squared errors [2, m]."""
+    grid = codebook_tables()[5].astype(np.float32) / 8  # 2048 rows of -1, 0 and 1
+    rows, errors = [], []
+    for delta in (IQ1_DELTA, -IQ1_DELTA):
+        target = scaled - delta
+        nearest = _nearest_rows(target, grid)
+        rows.append(nearest)
+        errors.append(((target - grid[nearest]) ** 2).sum(axis=1))
+    return np.stack(rows), np.stack(errors)
+
+
+def _iq1_scales(ideal: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-group `ideal` dl [blocks, groups] as d * (1 + 2 * s), s in 0..7: d's float16 bytes,
+    d, s (uint8) and the dl they give [blocks, groups]."""
+    d_bytes, d = _half(ideal.max(axis=1) / 15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.where(d[:, None] > 0, np.rint((ideal / d[:, None] - 1) / 2), 0.0)
+    s = np.clip(s, 0, 7).astype(np.uint8)
+    return d_bytes, d, s, d[:, None] * (1 + 2 * s.astype(np.float32))
+
+
+def _iq1_search(groups: np.ndarray, dl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weights [blocks, units, w] over their dl [blocks, units] as grid rows of 8 with either
+    delta: rows and squared errors, each [2, blocks, units, w / 8]."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(dl[..., None] > 0, groups / dl[..., None], 0.0)
+    rows, errors = _iq1_rows(scaled.reshape(-1, 8).astype(np.float32))
+    shape = (2, *groups.shape[:-1], groups.shape[-1] // 8)
+    return rows.reshape(shape), errors.reshape(shape)
+
+
+def _iq1_s(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_S: group g's dl = d * (1 + 2 * s_g) near IQ1_SPREAD times its root mean square; the
+    delta the group shares is the one whose four nearest rows lose least."""
+    groups = blocks.reshape(-1, 8, 32)
+    d_bytes, _, s, dl = _iq1_scales(IQ1_SPREAD * np.sqrt((groups * groups).mean(axis=2)))
+    rows, errors = _iq1_search(groups, dl)  # [2, blocks, 8, 4]
+    minus = errors[1].sum(axis=2) < errors[0].sum(axis=2)  # [blocks, 8]
+    rows = np.where(minus[:, :, None], rows[1], rows[0])
+    qs = (rows & 255).astype(np.uint8).reshape(-1, 32)
+    high = ((rows >> 8) << (3 * np.arange(4))).sum(axis=2)
+    qh = (high | s.astype(np.int64) << 12 | minus.astype(np.int64) << 15).astype("<u2")
+    return np.concatenate([d_bytes, qs, qh.view(np.uint8).reshape(-1, 16)], axis=1)
+
+
+def _iq1_m(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_M: each 16 weights' dl = d * (1 + 2 * s) near IQ1_SPREAD times their root mean square;
+    each row of 8 takes the delta that loses least. d's float16 bits go to the top nibbles of the
+    four uint16 scales."""
+    halves = blocks.reshape(-1, 16, 16)
+    d_bytes, _, s, dl = _iq1_scales(IQ1_SPREAD * np.sqrt((halves * halves).mean(axis=2)))
+    rows, errors = _iq1_search(halves, dl)  # [2, blocks, 16, 2]
+    minus = errors[1] < errors[0]
+    rows = np.where(minus, rows[1], rows[0]).reshape(-1, 32)
+    minus = minus.reshape(-1, 32)
+    qs = (rows & 255).astype(np.uint8)
+    nibbles = ((rows >> 8) | minus.astype(np.int64) << 3).astype(np.uint8)  # row m's in byte m / 2
+    qh = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
+    d_bits = d_bytes.copy().view("<u2").astype(np.int64)  # [blocks, 1]
+    packed = (s.astype(np.int64).reshape(-1, 4, 4) << (3 * np.arange(4))).sum(axis=2)  # [blocks, 4]
+    scales = (packed | ((d_bits >> (4 * np.arange(4))) & 15) << 12).astype("<u2")
+    return np.concatenate([qs, qh, scales.view(np.uint8).reshape(-1, 8)], axis=1)

@@ -5,11 +5,11 @@
 Every metadata key and every other tensor (norms, the embedding) is copied as stored; each
 `blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`:
 - Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by the gguf package;
-- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and IQ3_S by bench/k_quants.py (the gguf package
-  reads them but cannot write them). A super-block holds 256 weights; like llama.cpp's quantizer,
-  rows of another length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and
-  Q8_0, Q2_K, Q3_K, IQ4_XS and IQ3_S to IQ4_NL. So a small model's "K-quant" file is mostly such blocks; SmolLM2's
-  ffn_down rows (1536) are the super-block ones.
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S and IQ1_M by bench/k_quants.py (the
+  gguf package reads them but cannot write them). A super-block holds 256 weights; like llama.cpp's
+  quantizer, rows of another length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0,
+  Q5_1 and Q8_0, Q2_K, Q3_K, IQ4_XS, IQ3_S, IQ1_S and IQ1_M to IQ4_NL. So a small model's
+  "K-quant" file is mostly such blocks; SmolLM2's ffn_down rows (1536) are the super-block ones.
 - Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
   gives more bits (the first and last eighth of the layers, and every third one between).
 - Q3_K_M, likewise: Q3_K, with attn_output in Q4_K, attn_v in Q5_K in the first two layers and
@@ -34,7 +34,7 @@ from scheduler.model_files import find_default_model
 
 TYPES = (
     *("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"),
-    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ1_S", "IQ1_M"),
     *("Q4_K_M", "Q3_K_M"),
 )
 # for rows not in 256s
@@ -46,6 +46,8 @@ FALLBACK = {
     "Q3_K": "IQ4_NL",
     "IQ4_XS": "IQ4_NL",
     "IQ3_S": "IQ4_NL",
+    "IQ1_S": "IQ4_NL",
+    "IQ1_M": "IQ4_NL",
 }
 LAYER_MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 

@@ -31,6 +31,8 @@ from kernels.cpu_block_linear import (
     CODEBOOKS,
     DTYPES,
     F16,
+    IQ1_M,
+    IQ1_S,
     IQ3_S,
     IQ4_NL,
     IQ4_XS,
@@ -96,7 +98,7 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
 
 
 WRITTEN = k_quants.WRITTEN  # the types bench/k_quants.py writes
-BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4, IQ3_S: 3}
+BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4, IQ3_S: 3, IQ1_S: 1, IQ1_M: 1}
 
 
 @pytest.mark.parametrize("type_", WRITTEN)
@@ -150,6 +152,8 @@ def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
         "Q3_K": "IQ4_NL",
         "IQ4_XS": "IQ4_NL",
         "IQ3_S": "IQ4_NL",
+        "IQ1_S": "IQ4_NL",
+        "IQ1_M": "IQ4_NL",
         "Q4_K": "Q5_0",
         "Q5_K": "Q5_1",
         "Q6_K": "Q8_0",
