@@ -12,6 +12,11 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DENSE_WEIGHTS = ("auto", "keep", "drop")
 
+# A worker's exit code when it cannot start with this model and these settings (a model file it
+# cannot load, a device or dtype this machine lacks): starting it again would fail the same way,
+# so `duoserve serve` stops instead of restarting it.
+CANNOT_START = 3
+
 
 class WorkerConfigError(ConfigError):
     """A worker flag has a bad value; the message names the flag and the allowed range."""

@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import CANNOT_START, WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.linear import (
@@ -35,7 +35,7 @@ from gpu_worker.linear import (
     packed_linear_available,
     pair_kernel,
 )
-from gpu_worker.loader import ModelConfig, load_block_weights, load_config, load_model
+from gpu_worker.loader import ModelConfig, ModelLoadError, load_block_weights, load_config, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
@@ -388,13 +388,22 @@ def load_weights(
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Run one worker process until the scheduler says Shutdown; returns the exit code."""
+    """Run one worker process until the scheduler says Shutdown; returns the exit code:
+    CANNOT_START, with the reason logged, for a model or a setting it cannot start with."""
     setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
     tracing.setup(
         tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
     )
     try:
         return _run(config)
+    except ModelLoadError as err:
+        log.error("cannot load the model: %s", err)
+        return CANNOT_START
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        log.error("cannot start: %s", exc.code)  # a setting this machine or model cannot run with
+        return CANNOT_START
     finally:
         tracing.shutdown()
 

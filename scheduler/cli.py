@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from scheduler.config import ConfigError, SchedulerConfig
-from scheduler.model_files import find_default_model
+from scheduler.model_files import ModelNotFoundError, find_default_model
 
 log = logging.getLogger("duoserve")
 
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from gpu_worker.worker import run_worker
 
         sys.exit(run_worker(config))
-    except ConfigError as err:
+    except (ConfigError, ModelNotFoundError) as err:
         parser.error(str(err))
 
 

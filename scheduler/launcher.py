@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gpu_worker.config import CANNOT_START
 from scheduler.cli import SCHEDULER_FLAGS, TRACING_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
 from scheduler.config import SchedulerConfig
+from scheduler.model_files import resolve_model
 from scheduler.proctitle import die_with_parent, set_process_title
 from scheduler.security import SecurityConfigError, check_files
 
@@ -151,6 +153,7 @@ def serve(args: Namespace) -> int:
     except SecurityConfigError as err:
         log.error("%s", err)
         return 2
+    resolve_model(config.model)  # a missing model is a usage error, before any process starts
     model = ["--model", config.model, "--log-level", args.log_level]
     children = []
     worker_argvs = []
@@ -172,6 +175,13 @@ def serve(args: Namespace) -> int:
     while not stop.received:
         dead = [c for c in children if c.process.poll() is not None]
         worker_died = dead and dead[0] is not children[-1]
+        if worker_died and dead[0].process.returncode == CANNOT_START:
+            log.error(
+                "%s cannot start with this model and these settings (its error is above); stopping",
+                dead[0].name,
+            )
+            exit_code = 1
+            break
         if worker_died and config.restart_workers and restarts < config.max_worker_restarts:
             # The scheduler notices the loss itself (heartbeats), keeps the requests, and resumes
             # them once this replacement says Ready.

@@ -6,6 +6,7 @@ concurrent requests through the real server equal transformers `generate` on the
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -144,3 +145,35 @@ def test_bfloat16_directory_on_its_tensors_alone(tiny_bfloat16_dir: Path) -> Non
         assert "9 of 9 linears take the block kernel" in server.log()
         assert "9 of them hold no dense copy and take it at every step (--dense-weights drop)" in server.log()
     assert served == reference(tiny_bfloat16_dir, prompts)
+
+
+@pytest.mark.parametrize("fault", ["a tensor missing", "float16 on the CPU"])
+def test_a_worker_that_cannot_start_stops_the_server_without_restarts(
+    tiny_model_dir: Path, tmp_path: Path, fault: str
+) -> None:
+    """A model the worker cannot load, or a setting it cannot run with, fails the same way on
+    every start: the server stops at once with the reason, instead of restarting the worker."""
+    import shutil
+
+    import safetensors.torch
+
+    model, flags, reason = tiny_model_dir, ["--dtype", "float32"], "--dtype float16 is supported on CUDA only"
+    if fault == "a tensor missing":
+        model = tmp_path / "broken"
+        shutil.copytree(tiny_model_dir, model)
+        (weights,) = model.glob("*.safetensors")
+        tensors = safetensors.torch.load_file(weights)
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        safetensors.torch.save_file(tensors, weights, metadata={"format": "pt"})
+        reason = "tensor 'model.layers.1.mlp.down_proj.weight' is missing"
+    else:
+        flags = ["--dtype", "float16", "--device", "cpu"]
+    server = start_server("--model", str(model), *flags, wait=False)
+    try:
+        code = server.process.wait(timeout=120)
+    finally:
+        server.stop(signal.SIGKILL)
+    log = server.log()
+    assert code == 1, log[-4000:]
+    assert reason in log and "cannot start with this model and these settings" in log, log[-4000:]
+    assert "restarting it" not in log and "Traceback" not in log, log[-4000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, scheduler_config, worker_config
+from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, main, scheduler_config, worker_config
 from scheduler.config import ConfigError, SchedulerConfig
 from scheduler.launcher import flags_to_argv
 
@@ -28,6 +28,18 @@ def test_bad_environment_value_names_the_variable(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         parse(["scheduler"], {"DUOSERVE_PORT": "many"})
     assert "DUOSERVE_PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "scheduler"])
+def test_a_missing_model_is_a_usage_error_before_any_process_starts(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawned: list[object] = []
+    monkeypatch.setattr("scheduler.launcher._spawn", lambda *args: spawned.append(args))
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--model", "/no/such/model.gguf"])
+    assert exit_.value.code == 2 and spawned == []
+    assert "--model '/no/such/model.gguf': no such file or directory" in capsys.readouterr().err
 
 
 def test_config_validation_names_the_flag_and_range() -> None:
