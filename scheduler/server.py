@@ -24,7 +24,7 @@ from scheduler.model_files import model_name, resolve_model
 from scheduler.proctitle import set_process_title
 from scheduler.security import ApiKeyInterceptor, SecurityConfigError, load_api_keys, server_credentials
 from scheduler.servicer import InferenceServicer
-from scheduler.tokenizer import load_tokenizer
+from scheduler.tokenizer import TokenizerLoadError, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,9 @@ def run_scheduler(config: SchedulerConfig) -> int:
         except SecurityConfigError as err:
             log.error("%s", err)
             return 2
+        except TokenizerLoadError as err:  # the worker, reading the same file, says why too
+            log.error("cannot load the model's tokenizer: %s", err)
+            return 1
         return asyncio.run(server.run())
     finally:
         tracing.shutdown()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, main, scheduler_config, worker_config
 from scheduler.config import ConfigError, SchedulerConfig
 from scheduler.launcher import flags_to_argv
+from scheduler.model_files import find_default_model
+from scheduler.server import run_scheduler
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> object:
@@ -40,6 +44,17 @@ def test_a_missing_model_is_a_usage_error_before_any_process_starts(
         main([command, "--model", "/no/such/model.gguf"])
     assert exit_.value.code == 2 and spawned == []
     assert "--model '/no/such/model.gguf': no such file or directory" in capsys.readouterr().err
+
+
+def test_a_model_file_the_scheduler_cannot_read_ends_it_with_the_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    with find_default_model().open("rb") as model:
+        truncated.write_bytes(model.read(100_000))
+    config = scheduler_config(parse(["scheduler", "--model", str(truncated)]))
+    assert run_scheduler(config) == 1
+    assert f"cannot load the model's tokenizer: {truncated}: not a readable GGUF file" in caplog.text
 
 
 def test_config_validation_names_the_flag_and_range() -> None:
