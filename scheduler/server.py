@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 
 import grpc
 from google.protobuf import message_factory
@@ -84,6 +86,10 @@ class SchedulerServer:
             await self.health.set(service, status)
 
     async def run(self) -> int:
+        taken = addresses_in_use(self.config.host, self.config.port)
+        if taken:  # gRPC would listen on the host's other addresses and call that success
+            log.error("cannot listen on %s: %s in use", self.config.grpc_address, ", ".join(taken))
+            return 1
         self._build()
         if self.credentials is not None:
             port = self.server.add_secure_port(self.config.grpc_address, self.credentials)
@@ -159,6 +165,27 @@ def _exit_at_once() -> None:
     log.warning("second stop signal: exiting at once, in-flight requests are cut")
     logging.shutdown()
     os._exit(0)  # still a requested stop, not a failure
+
+
+def addresses_in_use(host: str, port: int) -> list[str]:
+    """Those of the addresses `host` names (localhost: 127.0.0.1 and ::1) on which `port` is
+    taken by another socket; none for port 0 or a host that does not resolve."""
+    if port == 0:
+        return []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return []  # gRPC reports it
+    taken = []
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener does
+            try:
+                probe.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    taken.append(f"{address[0]}:{port}")
+    return taken
 
 
 def run_scheduler(config: SchedulerConfig) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, main, sch
 from scheduler.config import ConfigError, SchedulerConfig
 from scheduler.launcher import flags_to_argv
 from scheduler.model_files import find_default_model
-from scheduler.server import run_scheduler
+from scheduler.server import addresses_in_use, run_scheduler
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> object:
@@ -55,6 +56,22 @@ def test_a_model_file_the_scheduler_cannot_read_ends_it_with_the_reason(
     config = scheduler_config(parse(["scheduler", "--model", str(truncated)]))
     assert run_scheduler(config) == 1
     assert f"cannot load the model's tokenizer: {truncated}: not a readable GGUF file" in caplog.text
+
+
+def test_a_port_taken_on_one_of_the_hosts_addresses_ends_the_scheduler(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """localhost is 127.0.0.1 and ::1: gRPC listens on whichever it can and calls that success, so
+    with another program on 127.0.0.1's port clients would reach that program instead."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert addresses_in_use("localhost", port) == [f"127.0.0.1:{port}"]
+        argv = ["scheduler", "--port", str(port), "--worker-address", f"ipc://{tmp_path}/w.sock"]
+        assert run_scheduler(scheduler_config(parse(argv))) == 1
+    assert f"cannot listen on localhost:{port}: 127.0.0.1:{port} in use" in caplog.text
+    assert addresses_in_use("localhost", port) == [] and addresses_in_use("localhost", 0) == []
 
 
 def test_config_validation_names_the_flag_and_range() -> None:
