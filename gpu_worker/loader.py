@@ -5,8 +5,8 @@ directory (`config.json` + `*.safetensors`, optionally sharded with an index). E
 that can be wrong with a model file is reported as a `ModelLoadError` naming the file and
 the key or tensor at fault. `load_block_weights` also gives a GGUF file's
 linears in their own blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q2_K to Q6_K, IQ4_XS, and the
-codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), which the CPU's block kernel multiplies
-without dequantizing.
+codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), which the CPU's block kernel
+multiplies without dequantizing.
 """
 
 from __future__ import annotations
@@ -206,9 +206,9 @@ def load_block_weights(
     (kernels/cpu_block_linear.py): a GGUF file's stored as Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL,
     Q2_K to Q6_K, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, F16 or BF16 (q and
     k rows in Hugging Face's order, as `load_model` gives them), a Hugging Face directory's stored
-    as float16 or bfloat16. Weights of other types (TQ1_0, TQ2_0, MXFP4, F32) are left out, and the 16-bit ones
-    unless `sixteen_bit` (a bfloat16 model multiplies on its own weights instead, no copy
-    needed)."""
+    as float16 or bfloat16. Weights of other types (TQ1_0, TQ2_0, MXFP4, F32) are left out, and
+    the 16-bit ones unless `sixteen_bit` (a bfloat16 model multiplies on its own weights instead,
+    no copy needed)."""
     path = Path(path)
     if path.is_dir():
         return _hf_block_weights(path) if sixteen_bit else {}

@@ -1,8 +1,8 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
 steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, and the
 super-blocks of 256 weights of the K-quants Q2_K to Q6_K, of IQ4_XS and of the codebook types
-IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF file or a
-safetensors checkpoint, in 32-weight "blocks" of their own.
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF
+file or a safetensors checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-

@@ -493,8 +493,9 @@ def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
 
 
 def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
-    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as blocks, with the
-    values the gguf package dequantizes them to, and multiply on the kernel as those values."""
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as
+    blocks, with the values the gguf package dequantizes them to, and multiply on the kernel as
+    those values."""
     rng = np.random.default_rng(2)
     stored = {
         "blk.0.attn_v.weight": "IQ2_XXS",

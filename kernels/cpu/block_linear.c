@@ -641,7 +641,7 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
 /* Runs BODY with `b` the index of each 32-weight group of a row of `blocks` groups and `w` its
  * weights widened (with `bf16`, rounded to bfloat16). A super-block's scales are worked out once
  * for its 8 groups, which come in runs that share their shifts' constants (GROUP): fours in Q6_K,
- * Q3_K and Q2_K, pairs in Q4_K, Q5_K, IQ4_XS and the codebook types. */
+ * Q3_K and Q2_K, pairs in Q4_K, Q5_K and IQ4_XS; the codebook types' groups one at a time. */
 #define FOR_EACH_GROUP(row, blocks, type, bf16, ...)                                                 \
     do {                                                                                             \
         if (super_blocks(type)) {                                                                    \
