@@ -251,7 +251,7 @@ def _nearest_rows(values: np.ndarray, grid: np.ndarray, chunk: int = 1 << 16) ->
 def _iq3_s(blocks: np.ndarray) -> np.ndarray:
     """IQ3_S: group g's db = d * (1 + 2 * s_g) puts its largest magnitude near 15, the codebook's
     top; each four magnitudes over db take their nearest codebook row, each weight its sign."""
-    grid = codebook_tables()[4].astype(np.float32)  # 512 rows of 4 odd values, 1 to 15
+    grid = codebook_tables().iq3_s.astype(np.float32)  # 512 rows of 4 odd values, 1 to 15
     groups = blocks.reshape(-1, 8, 32)
     ideal = np.abs(groups).max(axis=2) / 15  # [blocks, 8]
     d_bytes, d = _half(ideal.max(axis=1) / 31)
@@ -280,7 +280,7 @@ IQ1_DELTA = 0.125
 def _iq1_rows(scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each row of 8 `scaled` weights [m, 8]'s nearest grid row with the delta +1/8, and with -1/8:
     the rows [2, m] and their squared errors [2, m]."""
-    grid = codebook_tables()[5].astype(np.float32) / 8  # 2048 rows of -1, 0 and 1
+    grid = codebook_tables().iq1.astype(np.float32) / 8  # 2048 rows of -1, 0 and 1
     rows, errors = [], []
     for delta in (IQ1_DELTA, -IQ1_DELTA):
         target = scaled - delta

@@ -29,7 +29,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -72,29 +72,7 @@ K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 # Weights as rows of ggml's codebooks (gguf.quants' grids) with a sign each (IQ1's: a delta per row).
 CODEBOOKS = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
 SUPER_BLOCKS = (*K_QUANTS, IQ4_XS, *CODEBOOKS)  # the types of 256 weights a block
-TYPE_NAMES = {
-    F16: "F16",
-    Q4_0: "Q4_0",
-    Q4_1: "Q4_1",
-    Q5_0: "Q5_0",
-    Q5_1: "Q5_1",
-    Q8_0: "Q8_0",
-    IQ4_NL: "IQ4_NL",
-    Q2_K: "Q2_K",
-    Q3_K: "Q3_K",
-    Q4_K: "Q4_K",
-    Q5_K: "Q5_K",
-    Q6_K: "Q6_K",
-    IQ4_XS: "IQ4_XS",
-    IQ2_XXS: "IQ2_XXS",
-    IQ2_XS: "IQ2_XS",
-    IQ2_S: "IQ2_S",
-    IQ3_XXS: "IQ3_XXS",
-    IQ3_S: "IQ3_S",
-    IQ1_S: "IQ1_S",
-    IQ1_M: "IQ1_M",
-    BF16: "BF16",
-}
+TYPE_NAMES = {type_: gguf.GGMLQuantizationType(type_).name for type_ in BLOCK_BYTES}  # ggml's own names
 # The 16-bit float types: their blocks are the weight's own elements.
 DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.items())
@@ -241,35 +219,48 @@ def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
     return (d * (values - offset)).reshape(-1)
 
 
+class CodebookTables(NamedTuple):
+    """ggml's codebooks as the gguf package holds them, as bytes, in the order
+    duoserve_block_linear_use_codebooks takes them."""
+
+    iq2_xxs: np.ndarray  # 256 rows of 8 unsigned values
+    iq2_xs: np.ndarray  # 512 rows of 8
+    iq2_s: np.ndarray  # 1024 rows of 8
+    iq3_xxs: np.ndarray  # 256 rows of 4
+    iq3_s: np.ndarray  # 512 rows of 4
+    iq1: np.ndarray  # IQ1_S's and IQ1_M's 2048 rows of 8 of -1, 0 and 1, as 8 times those, signed
+    signs: np.ndarray  # the 128 sign patterns of the IQ2 types and IQ3_XXS
+
+
 @functools.cache
-def codebook_tables() -> tuple[np.ndarray, ...]:
-    """ggml's codebooks as the gguf package holds them, as bytes: IQ2_XXS's grid (256 rows of 8),
-    IQ2_XS's (512), IQ2_S's (1024), IQ3_XXS's (256 rows of 4), IQ3_S's (512), as unsigned values;
-    the IQ1 types' (2048 rows of 8 of -1, 0 and 1) as 8 times its values, signed; then the 128
-    sign patterns of the IQ2 types and IQ3_XXS. Made once; the libraries hold pointers into them,
-    which the cache keeps alive."""
-    grids = []
-    for quant in (
-        gguf.quants.IQ2_XXS,
-        gguf.quants.IQ2_XS,
-        gguf.quants.IQ2_S,
-        gguf.quants.IQ3_XXS,
-        gguf.quants.IQ3_S,
-    ):
+def codebook_tables() -> CodebookTables:
+    """The codebooks, made once; the libraries hold pointers into them, which the cache keeps
+    alive."""
+
+    def grid(quant: Any) -> np.ndarray:
         quant.init_grid()
         assert quant.grid is not None
-        grid = np.asarray(quant.grid, dtype=np.float32).reshape(quant.grid_shape)
-        rows = grid.astype(np.uint8)
-        assert np.array_equal(rows.astype(np.float32), grid), f"{quant.__name__}'s grid is not bytes"
-        grids.append(np.ascontiguousarray(rows))
-    gguf.quants.IQ1_S.init_grid()
-    assert gguf.quants.IQ1_S.grid is not None
-    ternary = np.asarray(gguf.quants.IQ1_S.grid, dtype=np.float32).reshape(gguf.quants.IQ1_S.grid_shape)
+        return np.asarray(quant.grid, dtype=np.float32).reshape(quant.grid_shape)
+
+    def unsigned(quant: Any) -> np.ndarray:
+        values = grid(quant)
+        rows = values.astype(np.uint8)
+        assert np.array_equal(rows.astype(np.float32), values), f"{quant.__name__}'s grid is not bytes"
+        return np.ascontiguousarray(rows)
+
+    ternary = grid(gguf.quants.IQ1_S)
     assert np.isin(ternary, (-1.0, 0.0, 1.0)).all(), "IQ1_S's grid is not of -1, 0 and 1"
-    grids.append(np.ascontiguousarray((8 * ternary).astype(np.int8)))
     signs = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8).copy()
     assert signs.shape == (128,)
-    return (*grids, signs)
+    return CodebookTables(
+        iq2_xxs=unsigned(gguf.quants.IQ2_XXS),
+        iq2_xs=unsigned(gguf.quants.IQ2_XS),
+        iq2_s=unsigned(gguf.quants.IQ2_S),
+        iq3_xxs=unsigned(gguf.quants.IQ3_XXS),
+        iq3_s=unsigned(gguf.quants.IQ3_S),
+        iq1=np.ascontiguousarray((8 * ternary).astype(np.int8)),
+        signs=signs,
+    )
 
 
 _lock = threading.Lock()
@@ -396,6 +387,8 @@ __all__ = [
     "DENSE_TYPES",
     "DTYPES",
     "F16",
+    "IQ1_M",
+    "IQ1_S",
     "IQ2_S",
     "IQ2_XS",
     "IQ2_XXS",
@@ -420,6 +413,7 @@ __all__ = [
     "BlockRows",
     "BlockWeight",
     "Blocks",
+    "CodebookTables",
     "KernelBuildError",
     "block_linear_entry",
     "codebook_tables",
