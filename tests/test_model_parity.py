@@ -21,7 +21,7 @@ from gpu_worker.worker import make_attention
 from kernels.cpu_block_linear import BlockLinear
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
-from tests.transformers_reference import reference_greedy
+from tests.transformers_reference import gguf_model, gguf_tokenizer, reference_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -408,11 +408,8 @@ def test_smollm2_bfloat16_on_gguf_blocks_follows_transformers_bfloat16(
     attention = model.attention
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
     assert attention.decode_stack.blocks and attention.decode_stack.dtype == torch.bfloat16
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.bfloat16
-    ).eval()
-    check_smollm2_against_transformers((tokenizer, hf_model), config, model, max_new=16)
+    reference = gguf_tokenizer(path), gguf_model(path, torch.bfloat16)
+    check_smollm2_against_transformers(reference, config, model, max_new=16)
 
 
 @pytest.mark.gpu
@@ -430,15 +427,7 @@ def test_smollm2_on_cuda_with_triton_kernels_matches_transformers() -> None:
 
 def smollm2_reference(path: Path, device: str) -> tuple[Any, Any]:
     """transformers' tokenizer and float32 model for the same GGUF file."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    hf_model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-        .eval()
-        .to(device)
-    )
-    return tokenizer, hf_model
+    return gguf_tokenizer(path), gguf_model(path).to(device)
 
 
 @pytest.fixture(scope="module")

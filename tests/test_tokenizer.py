@@ -15,6 +15,7 @@ from tokenizers import pre_tokenizers
 
 from scheduler.model_files import find_default_model
 from scheduler.tokenizer import Tokenizer, TokenizerLoadError, load_tokenizer
+from tests.transformers_reference import gguf_tokenizer
 
 # Text on which the GGUF tokenizer must give exactly transformers' ids.
 PARITY_TEXTS = [
@@ -59,9 +60,7 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    transformers = pytest.importorskip("transformers")
-    path = find_default_model()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return gguf_tokenizer(find_default_model())
 
 
 @pytest.fixture(scope="module")

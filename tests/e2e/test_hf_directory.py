@@ -17,6 +17,7 @@ from duoserve_client import Client
 from gpu_worker.linear import block_kernel
 from scheduler.model_files import find_default_model
 from tests.e2e.harness import ServerProcess, serve_greedy, start_server
+from tests.transformers_reference import gguf_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +27,11 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     gguf = find_default_model()
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = gguf_tokenizer(gguf)
     tokenizer.save_pretrained(folder)
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpu_worker.linear import block_kernel
 from tests.e2e.harness import serve_greedy, start_server
-from tests.transformers_reference import reference_greedy
+from tests.transformers_reference import gguf_model, reference_greedy
 
 NEW_TOKENS = 12
 
@@ -16,11 +16,8 @@ NEW_TOKENS = 12
 def reference(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers float32 on the same file, greedy."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = gguf_model(path)
     with torch.inference_mode():
         return [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
 
