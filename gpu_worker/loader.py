@@ -157,7 +157,7 @@ def validate_state_dict(
 
 def _gguf_reader(path: Path) -> GGUFFile:
     try:
-        return read_gguf(path)
+        return read_gguf(path, arrays=False)  # nothing here reads the tokenizer's arrays
     except (ValueError, OSError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
@@ -236,12 +236,10 @@ def load_block_weights(
 def _gguf_metadata(reader: GGUFFile) -> dict[str, Any]:
     """Scalar and string metadata by key; arrays (the tokenizer's 49k-entry lists) are represented by
     their length only, under "<key>.length", since nothing here needs them."""
-    out: dict[str, Any] = {}
-    for name, value in reader.fields.items():
-        if name in reader.array_types:
-            out[f"{name}.length"] = len(value)
-        else:
-            out[name] = value
+    out: dict[str, Any] = {
+        name: value for name, value in reader.fields.items() if name not in reader.array_types
+    }
+    out.update((f"{name}.length", length) for name, length in reader.array_lengths.items())
     return out
 
 

@@ -55,8 +55,9 @@ class GGUFTensor:
 @dataclass(frozen=True, slots=True)
 class GGUFFile:
     version: int
-    fields: dict[str, Any]  # metadata by key: int, float, bool, str, or a list of them
+    fields: dict[str, Any]  # metadata by key: int, float, bool, str, or a list of them (if read)
     array_types: dict[str, gguf.GGUFValueType]  # item type of each array-valued key
+    array_lengths: dict[str, int]  # item count of each array-valued key
     tensors: list[GGUFTensor]
 
 
@@ -92,10 +93,28 @@ class _Cursor:
             raise GGUFFormatError(f"{self.path}: unknown metadata value type {kind} at byte {self.offset}")
         return self.take(fmt)
 
-    def array(self) -> tuple[gguf.GGUFValueType, list[Any]]:
+    def skip_strings(self, count: int) -> None:
+        """Pass over `count` strings without decoding them (one length read each)."""
+        buffer, offset, length_at = self.buffer, self.offset, _U64.unpack_from
+        try:
+            for _ in range(count):
+                offset += 8 + length_at(buffer, offset)[0]
+        except struct.error:
+            offset = len(buffer) + 1
+        if offset > len(buffer):
+            raise GGUFFormatError(
+                f"{self.path}: truncated: an array of {count} strings at byte {self.offset} runs past the end"
+            )
+        self.offset = offset
+
+    def array(self, read: bool) -> tuple[gguf.GGUFValueType, int, list[Any] | None]:
+        """An array's item type, count and items (None unless `read`: the cursor only passes them)."""
         kind, count = self.take(_U32), self.take(_U64)
         if kind == gguf.GGUFValueType.STRING:
-            return gguf.GGUFValueType.STRING, [self.string() for _ in range(count)]
+            if read:
+                return gguf.GGUFValueType.STRING, count, [self.string() for _ in range(count)]
+            self.skip_strings(count)
+            return gguf.GGUFValueType.STRING, count, None
         fmt = _SCALARS.get(kind)
         if fmt is None:
             raise GGUFFormatError(f"{self.path}: unknown array item type {kind} at byte {self.offset}")
@@ -104,13 +123,17 @@ class _Cursor:
             raise GGUFFormatError(
                 f"{self.path}: truncated: an array of {count} items at byte {self.offset} runs past the end"
             )
-        items = [item for (item,) in fmt.iter_unpack(self.buffer[self.offset : self.offset + size])]
+        items = None
+        if read:
+            items = [item for (item,) in fmt.iter_unpack(self.buffer[self.offset : self.offset + size])]
         self.offset += size
-        return gguf.GGUFValueType(kind), items
+        return gguf.GGUFValueType(kind), count, items
 
 
-def read_gguf(path: str | Path) -> GGUFFile:
+def read_gguf(path: str | Path, arrays: bool = True) -> GGUFFile:
     """Parse `path`'s metadata and tensor table; tensor data stays memory-mapped until read.
+    Without `arrays`, array-valued keys (a tokenizer's vocabulary and merges) are passed over:
+    they are left out of `fields`, and only their types and lengths are kept.
 
     Raises GGUFFormatError (a ValueError) for anything that is not a well-formed GGUF v2/v3 file,
     and OSError when the file cannot be read."""
@@ -127,11 +150,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
     num_tensors, num_fields = cursor.take(_U64), cursor.take(_U64)
     fields: dict[str, Any] = {}
     array_types: dict[str, gguf.GGUFValueType] = {}
+    array_lengths: dict[str, int] = {}
     for _ in range(num_fields):
         key = cursor.string()
         kind = cursor.take(_U32)
         if kind == gguf.GGUFValueType.ARRAY:
-            array_types[key], fields[key] = cursor.array()
+            array_types[key], array_lengths[key], items = cursor.array(arrays)
+            if items is not None:
+                fields[key] = items
         else:
             fields[key] = cursor.value(kind)
     table = []
@@ -150,7 +176,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise GGUFFormatError(f"{path}: general.alignment is {alignment!r}")
     start = -(-cursor.offset // alignment) * alignment
     tensors = [_tensor(path, mapped, start, *entry) for entry in table]
-    return GGUFFile(version, fields, array_types, tensors)
+    return GGUFFile(version, fields, array_types, array_lengths, tensors)
 
 
 def _tensor(

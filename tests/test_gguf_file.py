@@ -30,6 +30,20 @@ def assert_same_as_gguf_reader(path: Path) -> None:
             np.asarray(mine.data).reshape(-1).view(np.uint8),
             np.asarray(other.data).reshape(-1).view(np.uint8),
         ), mine.name
+    # Passing over the arrays (as the worker reads its model) keeps everything else.
+    passed = read_gguf(path, arrays=False)
+    assert passed.fields == {
+        name: value for name, value in ours.fields.items() if name not in ours.array_types
+    }
+    assert passed.array_types == ours.array_types
+    assert (
+        passed.array_lengths
+        == ours.array_lengths
+        == {name: len(ours.fields[name]) for name in ours.array_types}
+    )
+    assert [(t.name, t.shape, t.tensor_type) for t in passed.tensors] == [
+        (t.name, t.shape, t.tensor_type) for t in ours.tensors
+    ]
 
 
 def write_small_gguf(path: Path) -> None:
@@ -82,8 +96,13 @@ def test_broken_files_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
         "truncated": data[:40],
         "runs past the end of the file": data[:-100],  # into the last tensor (q8, 204 bytes)
     }
+    # Inside the last string of an array: its length says 5 bytes, 2 are left.
+    cases[r"truncated: an? (string of 5 bytes|array of 3 strings) at byte \d+ runs past"] = data[
+        : data.index("ünï".encode()) + 2
+    ]
     for message, content in cases.items():
         path = tmp_path / "broken.gguf"
         path.write_bytes(content)
-        with pytest.raises(GGUFFormatError, match=message):
-            read_gguf(path)
+        for arrays in (True, False):
+            with pytest.raises(GGUFFormatError, match=message):
+                read_gguf(path, arrays=arrays)
