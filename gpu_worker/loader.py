@@ -141,14 +141,34 @@ def validate_state_dict(
         tensor = tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"{source}: tensor {name!r} is missing (expected shape {list(shape)})")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(
-                f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
-            )
-        if not tensor.is_meta and not torch.isfinite(tensor).all():
-            raise ModelLoadError(f"{source}: tensor {name!r} contains NaN or infinite values")
+        _check_tensor(name, tensor, shape, source)
         out[name] = tensor
     return out
+
+
+def fill_unread(weights: dict[str, torch.Tensor], found: Mapping[str, torch.Tensor], source: Path) -> None:
+    """Put the tensors of `found` in place of the ones `load_model` left unread (`shape_only`),
+    each checked as `load_model` checks what it reads."""
+    for name, tensor in found.items():
+        unread = weights[name]
+        assert unread.is_meta, f"{name} was read already"
+        _check_tensor(name, tensor, tuple(unread.shape), source)
+        weights[name] = tensor
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], source: Path) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ModelLoadError(
+            f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
+        )
+    if not tensor.is_meta and tensor.numel() and not _finite(tensor):
+        raise ModelLoadError(f"{source}: tensor {name!r} contains NaN or infinite values")
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite: the least and the greatest are (both propagate NaN). One pass
+    and no mask; `isfinite(...).all()` took 0.43 s of the default model's load."""
+    return all(bool(torch.isfinite(bound)) for bound in torch.aminmax(tensor))
 
 
 # ---------------------------------------------------------------------------------------------

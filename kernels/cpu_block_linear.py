@@ -264,7 +264,7 @@ def codebook_tables() -> CodebookTables:
 
 
 _lock = threading.Lock()
-_loaded: dict[torch.dtype, Callable[..., int]] = {}  # each element type's entry, its own build
+_loaded: dict[torch.dtype, ctypes.CDLL] = {}  # each element type's library, its own build
 
 # duoserve_block_linear[_bf16](x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads) -> 0 | -1 | -2
 _ARGTYPES: list[Any] = [
@@ -276,6 +276,15 @@ _ARGTYPES: list[Any] = [
     ctypes.c_void_p,
     ctypes.c_int64,
     ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
+# w, type, out, n, k, threads
+_DEQUANTIZE_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_void_p,
     ctypes.c_int64,
     ctypes.c_int64,
     ctypes.c_int,
@@ -334,23 +343,48 @@ class BlockLinear:
         if status != 0:
             raise RuntimeError(f"block linear failed on a {weight.type_name} weight of input size {weight.k}")
 
+    def widen(self, weight: BlockWeight) -> torch.Tensor:
+        """The weight widened to float32 [n, k]: the values the float32 path multiplies, each the
+        dequantized weight itself (the gguf package's value). Builds the float32 library if it is
+        not loaded yet."""
+        out = torch.empty(weight.n, weight.k, dtype=torch.float32)
+        assert out.data_ptr() % 32 == 0, "torch's CPU allocations are 64-byte aligned"
+        status = _library(torch.float32).duoserve_block_dequantize(
+            weight.blocks.data_ptr(), weight.type, out.data_ptr(), weight.n, weight.k, torch.get_num_threads()
+        )
+        if status != 0:
+            raise RuntimeError(
+                f"widening a {weight.type_name} weight [{weight.n}, {weight.k}] failed ({status})"
+            )
+        return out
+
 
 def _entry(dtype: torch.dtype) -> Callable[..., int]:
     """The kernel's C function for x in `dtype`, from its library (built, or found in the cache)."""
+    return (
+        _library(dtype).duoserve_block_linear_bf16
+        if dtype == torch.bfloat16
+        else _library(dtype).duoserve_block_linear
+    )
+
+
+def _library(dtype: torch.dtype) -> ctypes.CDLL:
+    """The library built for x in `dtype`, its codebooks handed over and its entries typed."""
     with _lock:
         if dtype not in _loaded:
             library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}))
             tables = codebook_tables()
             library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)
             library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))
-            function = (
-                library.duoserve_block_linear_bf16
-                if dtype == torch.bfloat16
-                else library.duoserve_block_linear
-            )
-            function.restype = ctypes.c_int
-            function.argtypes = _ARGTYPES
-            _loaded[dtype] = function
+            if dtype == torch.bfloat16:
+                entry = library.duoserve_block_linear_bf16
+            else:
+                entry = library.duoserve_block_linear
+                library.duoserve_block_dequantize.restype = ctypes.c_int
+                library.duoserve_block_dequantize.argtypes = _DEQUANTIZE_ARGTYPES
+            entry.restype = ctypes.c_int
+            entry.argtypes = _ARGTYPES
+            _loaded[dtype] = library
         return _loaded[dtype]
 
 

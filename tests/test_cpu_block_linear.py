@@ -234,6 +234,15 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
     assert torch.equal(kernel(x[:3], weight), want[:3])  # streamed
 
 
+@pytest.mark.parametrize("type_", sorted(TYPES))
+@pytest.mark.parametrize("n", [1, 7, 42])  # short of, past and at whole tiles of six rows
+def test_widening_a_weight_gives_its_dequantized_values(kernel: BlockLinear, type_: int, n: int) -> None:
+    """The float32 copies a worker makes of its weights (`widen`) are the gguf package's values."""
+    k = whole(type_, 576)
+    weight = block_weight(type_, n, k, seed=5 * type_ + n)
+    assert torch.equal(kernel.widen(weight), weight.dequantize())
+
+
 @pytest.mark.parametrize("type_", sorted(set(TYPES) - {BF16}))  # BF16 weights are bfloat16 already
 def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
     k = whole(type_, 576)

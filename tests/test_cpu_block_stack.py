@@ -409,29 +409,36 @@ def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
     assert choose("auto", torch.float32, config, blocks, CPU) == every
 
 
+@pytest.mark.parametrize("dense_weights", ["keep", "drop"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
 def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
-    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]], kernel: bool
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    kernel: bool,
+    dense_weights: str,
 ) -> None:
     """The worker reads the file's blocks while the block linear builds (gpu_worker/worker.py,
     load_weights). With --dense-weights drop it skips the dense copies; if the build then gives
-    no kernel, every linear must still get a dense copy, read afresh."""
+    no kernel, every linear must still get a dense copy, read afresh. The dense copies it holds are
+    the file's dequantized values bit for bit, whether the kernel widened them or numpy did."""
     if kernel and block_kernel() is None:
         pytest.skip("no block linear kernel on this CPU")
     config = worker.WorkerConfig(
-        model=str(find_default_model()), scheduler_address="ipc:///unused", dense_weights="drop"
+        model=str(find_default_model()), scheduler_address="ipc:///unused", dense_weights=dense_weights
     )
     built: Future[BlockLinear | None] = Future()
     built.set_result(block_kernel() if kernel else None)
     model = worker.load_weights(config, smollm2[0], torch.float32, CPU, built)
     linears = model.linears()
-    if kernel:
+    if kernel and dense_weights == "drop":
         assert model.block_linears == len(linears)
         # qkv, o, gate_up and down of each layer; the tied head keeps its dense embedding
         assert sum(lin.weight.is_meta for lin in linears) == 4 * smollm2[0].num_layers
         return
-    assert model.block_linears == 0 and not any(lin.weight.is_meta for lin in linears)
+    assert model.block_linears == (len(linears) if kernel else 0) and not any(
+        lin.weight.is_meta for lin in linears
+    )
     dense = LlamaModel(smollm2[0], torch.float32, CPU)
-    dense.load_weights(dict(smollm2[1]))
+    dense.load_weights(dict(smollm2[1]))  # load_model's float32 tensors, dequantized by the gguf package
     assert len(linears) == len(dense.linears())
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(linears, dense.linears(), strict=True))
+    assert torch.equal(model.embed_tokens, dense.embed_tokens)

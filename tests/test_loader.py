@@ -15,6 +15,7 @@ from gpu_worker.loader import (
     ModelConfig,
     ModelLoadError,
     expected_shapes,
+    fill_unread,
     load_config,
     load_model,
 )
@@ -101,6 +102,34 @@ def test_hf_directory_misshapen_or_duplicate_tensor_is_named(tmp_path: Path) -> 
     )
     with pytest.raises(ModelLoadError, match=r"'lm_head\.weight' is also stored"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_tensor_with_a_value_that_is_not_finite_is_named(tmp_path: Path, value: float) -> None:
+    written = _write_hf_dir(tmp_path)
+    poisoned = written["model.layers.1.self_attn.o_proj.weight"].clone()
+    poisoned[5, 3] = value
+    stored = {name: tensor.to(torch.bfloat16) for name, tensor in written.items()}
+    save_file({**stored, "model.layers.1.self_attn.o_proj.weight": poisoned}, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.self_attn\.o_proj\.weight' contains NaN"):
+        load_model(tmp_path)
+
+
+def test_tensors_read_elsewhere_fill_the_unread_ones_checked_as_read_ones(tmp_path: Path) -> None:
+    """The worker widens blocks into the dense copies load_model left unread (gpu_worker/worker.py)."""
+    written = _write_hf_dir(tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    _, tensors = load_model(tmp_path, shape_only={name})
+    good = written[name].clone()
+    for bad, message in [
+        (good[:, :-1], r"has shape \[16, 23\], expected \[16, 24\]"),
+        (good / 0, "contains NaN"),
+    ]:
+        with pytest.raises(ModelLoadError, match=re.escape(name).replace(r"\ ", " ") + "' " + message):
+            fill_unread(tensors, {name: bad}, tmp_path)
+        assert tensors[name].is_meta
+    fill_unread(tensors, {name: good}, tmp_path)
+    assert tensors[name] is good
 
 
 def test_hf_config_missing_key_is_named(tmp_path: Path) -> None:

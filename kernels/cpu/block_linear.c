@@ -92,6 +92,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "the block linear needs AVX2, FMA and F16C"
@@ -941,6 +942,28 @@ int duoserve_block_linear(
     int64_t rows, int64_t n, int64_t k, int threads)
 {
     return block_linear(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
+}
+
+/*
+ * out [n, k] (32-byte aligned) = w [n, k] as `type` blocks, widened to float32: every value the
+ * dequantized weight itself, as the tiled path multiplies it. A worker makes its float32 copies of
+ * the weights so, instead of dequantizing them in numpy. Returns 0, -1 for an unknown type, k not
+ * in whole blocks or `out` not aligned, -2 when scratch cannot be had.
+ */
+int duoserve_block_dequantize(const uint8_t *w, int type, float *out, int64_t n, int64_t k, int threads)
+{
+    if (!known_type(type) || k % weights_per_block(type) != 0 || (uintptr_t)out % 32 != 0) return -1;
+    /* widen_panel writes whole tiles of rows: the rows past the last whole tile go through scratch. */
+    const int64_t whole = n / TILE_OUTS * TILE_OUTS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t first = 0; first < whole; first += TILE_OUTS) widen_panel(w, type, first, TILE_OUTS, k, out + first * k);
+    if (whole < n) {
+        float *panel = thread_scratch(&panel_floats, &panel_capacity, TILE_OUTS * k);
+        if (panel == NULL) return -2;
+        widen_panel(w, type, whole, n - whole, k, panel);
+        memcpy(out + whole * k, panel, (size_t)((n - whole) * k) * sizeof(float));
+    }
+    return 0;
 }
 #else
 
