@@ -29,6 +29,7 @@ from gpu_worker.config import CANNOT_START
 from scheduler.cli import SCHEDULER_FLAGS, TRACING_FLAGS, WORKER_FLAGS, Flag, scheduler_config, worker_config
 from scheduler.config import SchedulerConfig
 from scheduler.model_files import resolve_model
+from scheduler.ports import addresses_in_use
 from scheduler.proctitle import die_with_parent, set_process_title
 from scheduler.security import SecurityConfigError, check_files
 
@@ -154,6 +155,12 @@ def serve(args: Namespace) -> int:
         log.error("%s", err)
         return 2
     resolve_model(config.model)  # a missing model is a usage error, before any process starts
+    # A server already on the port would answer the health checks below in this one's place.
+    for flag, port in (("--port", config.port), ("--metrics-port", config.metrics_port)):
+        taken = addresses_in_use(config.host, port)
+        if taken:
+            log.error("cannot serve on %s:%d (%s): %s in use", config.host, port, flag, ", ".join(taken))
+            return 1
     model = ["--model", config.model, "--log-level", args.log_level]
     children = []
     worker_argvs = []

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
-import socket
 
 import grpc
 from google.protobuf import message_factory
@@ -23,6 +21,7 @@ from scheduler.errors import safe_deserializer
 from scheduler.http_server import HttpEndpoint
 from scheduler.metrics import RequestMetrics
 from scheduler.model_files import model_name, resolve_model
+from scheduler.ports import addresses_in_use
 from scheduler.proctitle import set_process_title
 from scheduler.security import ApiKeyInterceptor, SecurityConfigError, load_api_keys, server_credentials
 from scheduler.servicer import InferenceServicer
@@ -165,27 +164,6 @@ def _exit_at_once() -> None:
     log.warning("second stop signal: exiting at once, in-flight requests are cut")
     logging.shutdown()
     os._exit(0)  # still a requested stop, not a failure
-
-
-def addresses_in_use(host: str, port: int) -> list[str]:
-    """Those of the addresses `host` names (localhost: 127.0.0.1 and ::1) on which `port` is
-    taken by another socket; none for port 0 or a host that does not resolve."""
-    if port == 0:
-        return []
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return []  # gRPC reports it
-    taken = []
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener does
-            try:
-                probe.bind(address)
-            except OSError as err:
-                if err.errno == errno.EADDRINUSE:
-                    taken.append(f"{address[0]}:{port}")
-    return taken
 
 
 def run_scheduler(config: SchedulerConfig) -> int:

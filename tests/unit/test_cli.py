@@ -11,7 +11,8 @@ from scheduler.cli import SCHEDULER_FLAGS, WORKER_FLAGS, build_parser, main, sch
 from scheduler.config import ConfigError, SchedulerConfig
 from scheduler.launcher import flags_to_argv
 from scheduler.model_files import find_default_model
-from scheduler.server import addresses_in_use, run_scheduler
+from scheduler.ports import addresses_in_use
+from scheduler.server import run_scheduler
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> object:
@@ -72,6 +73,24 @@ def test_a_port_taken_on_one_of_the_hosts_addresses_ends_the_scheduler(
         assert run_scheduler(scheduler_config(parse(argv))) == 1
     assert f"cannot listen on localhost:{port}: 127.0.0.1:{port} in use" in caplog.text
     assert addresses_in_use("localhost", port) == [] and addresses_in_use("localhost", 0) == []
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_serve_stops_before_any_process_starts_on_a_port_another_server_holds(
+    flag: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher announces "serving" once the port answers health checks: a server already
+    there would answer them in its place while this one failed to bind."""
+    spawned: list[object] = []
+    monkeypatch.setattr("scheduler.launcher._spawn", lambda *args: spawned.append(args))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", flag, str(port)])
+    assert exit_.value.code == 1 and spawned == []
+    assert f"cannot serve on localhost:{port} ({flag}): 127.0.0.1:{port} in use" in caplog.text
 
 
 def test_config_validation_names_the_flag_and_range() -> None:
