@@ -1,0 +1,115 @@
+"""Start-up time: `duoserve serve` launched → health SERVING, and where the worker's part goes.
+
+    python bench/startup.py [--repeats 5] [--checkout DIR ...] [--server-args "..."]
+
+Each repeat launches the server, waits until its health check says SERVING, sends one request
+(it must come back), and stops it. Printed per start: seconds from launch to SERVING, and from
+the worker's log its phases: launch → Hello (imports, model config), weights loaded, KV cache
+allocated, warm-up. With several `--checkout`s (git worktrees of other commits, run with this
+interpreter and their own sources), the starts take turns, so that each pair sees the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from serving import free_port
+
+from duoserve_client import Client
+
+REPO = Path(__file__).resolve().parent.parent
+PHASES = {
+    "hello_s": r"said Hello to the scheduler",
+    "loaded_s": r"loaded .* in [\d.]+ s",
+    "ready_s": r"worker ready: ",
+    "serving_s": r"duoserve is serving",
+}
+
+
+def stamps(log: str, launched: float) -> dict[str, float]:
+    """Seconds after `launched` (wall clock) of each phase's first log line."""
+    found: dict[str, float] = {}
+    for line in log.splitlines():
+        for phase, pattern in PHASES.items():
+            if phase not in found and re.search(pattern, line):
+                stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found[phase] = stamp - launched
+    return found
+
+
+def start_once(checkout: Path, server_args: list[str], timeout: float) -> dict[str, float]:
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="duoserve-startup-", suffix=".log")[1])
+    command = [
+        sys.executable,
+        *("-m", "scheduler.cli", "serve", "--host", "127.0.0.1", "--port", str(port)),
+        *("--metrics-port", "0", *server_args),
+    ]
+    with log_path.open("w") as log:
+        launched_wall, launched = time.time(), time.monotonic()
+        server = subprocess.Popen(command, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            client.wait_until_ready(timeout)
+            serving = time.monotonic() - launched
+            reply = client.generate("What is the capital of France?", max_tokens=8)
+            assert reply.token_ids, "the first request came back empty"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    row = stamps(log_path.read_text(), launched_wall)
+    row["client_serving_s"] = serving
+    log_path.unlink()
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--checkout", type=Path, action="append", help="a source tree to start (default: this one)"
+    )
+    parser.add_argument("--server-args", default="", help="extra `duoserve serve` flags")
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    checkouts = args.checkout or [REPO]
+    server_args = shlex.split(args.server_args)
+    print(f"# serve {' '.join(server_args)}; first start of each checkout not counted (kernel builds)")
+    for checkout in checkouts:
+        start_once(checkout, server_args, args.timeout)
+    rows: dict[str, list[dict[str, float]]] = {str(c): [] for c in checkouts}
+    header = f"{'checkout':<28} {'SERVING s':>10} {'Hello s':>8} {'loaded s':>9} {'ready s':>8}"
+    print(header)
+    for _ in range(args.repeats):
+        for checkout in checkouts:
+            row = start_once(checkout, server_args, args.timeout)
+            rows[str(checkout)].append(row)
+            print(
+                f"{checkout.name:<28} {row['client_serving_s']:>10.2f} {row.get('hello_s', float('nan')):>8.2f}"
+                f" {row.get('loaded_s', float('nan')):>9.2f} {row.get('ready_s', float('nan')):>8.2f}"
+            )
+    for checkout, runs in rows.items():
+        median = statistics.median(r["client_serving_s"] for r in runs)
+        print(f"median launch → SERVING, {Path(checkout).name}: {median:.2f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"server_args": server_args, "starts": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
