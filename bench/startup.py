@@ -1,20 +1,23 @@
 """Start-up time: `duoserve serve` launched → health SERVING, and where the worker's part goes.
 
-    python bench/startup.py [--repeats 5] [--checkout DIR ...] [--server-args "..."]
+    python bench/startup.py [--repeats 5] [--checkout DIR ...] [--server-args "..."] [--cold]
 
 Each repeat launches the server, waits until its health check says SERVING, sends one request
 (it must come back), and stops it. Printed per start: seconds from launch to SERVING, and from
 the worker's log its phases: launch → Hello (imports, model config), weights loaded, KV cache
 allocated, warm-up. With several `--checkout`s (git worktrees of other commits, run with this
 interpreter and their own sources), the starts take turns, so that each pair sees the same machine.
+With `--cold` each start gets an empty kernel cache, so it compiles every kernel it uses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,8 +52,11 @@ def stamps(log: str, launched: float) -> dict[str, float]:
     return found
 
 
-def start_once(checkout: Path, server_args: list[str], timeout: float) -> dict[str, float]:
+def start_once(checkout: Path, server_args: list[str], timeout: float, cold: bool) -> dict[str, float]:
     port = free_port()
+    env = dict(os.environ)
+    if cold:
+        env["DUOSERVE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="duoserve-cold-kernels-")
     log_path = Path(tempfile.mkstemp(prefix="duoserve-startup-", suffix=".log")[1])
     command = [
         sys.executable,
@@ -59,7 +65,7 @@ def start_once(checkout: Path, server_args: list[str], timeout: float) -> dict[s
     ]
     with log_path.open("w") as log:
         launched_wall, launched = time.time(), time.monotonic()
-        server = subprocess.Popen(command, cwd=checkout, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         with Client(f"127.0.0.1:{port}") as client:
             client.wait_until_ready(timeout)
@@ -69,6 +75,8 @@ def start_once(checkout: Path, server_args: list[str], timeout: float) -> dict[s
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
+        if cold:
+            shutil.rmtree(env["DUOSERVE_KERNEL_CACHE"], ignore_errors=True)
     row = stamps(log_path.read_text(), launched_wall)
     row["client_serving_s"] = serving
     log_path.unlink()
@@ -85,19 +93,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--server-args", default="", help="extra `duoserve serve` flags")
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--cold", action="store_true", help="an empty kernel cache for every start")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     checkouts = args.checkout or [REPO]
     server_args = shlex.split(args.server_args)
-    print(f"# serve {' '.join(server_args)}; first start of each checkout not counted (kernel builds)")
-    for checkout in checkouts:
-        start_once(checkout, server_args, args.timeout)
+    if args.cold:
+        print(f"# serve {' '.join(server_args)}; every start with an empty kernel cache")
+    else:
+        print(f"# serve {' '.join(server_args)}; first start of each checkout not counted (kernel builds)")
+        for checkout in checkouts:
+            start_once(checkout, server_args, args.timeout, cold=False)
     rows: dict[str, list[dict[str, float]]] = {str(c): [] for c in checkouts}
     header = f"{'checkout':<28} {'SERVING s':>10} {'Hello s':>8} {'loaded s':>9} {'ready s':>8}"
     print(header)
     for _ in range(args.repeats):
         for checkout in checkouts:
-            row = start_once(checkout, server_args, args.timeout)
+            row = start_once(checkout, server_args, args.timeout, args.cold)
             rows[str(checkout)].append(row)
             print(
                 f"{checkout.name:<28} {row['client_serving_s']:>10.2f} {row.get('hello_s', float('nan')):>8.2f}"
@@ -107,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         median = statistics.median(r["client_serving_s"] for r in runs)
         print(f"median launch → SERVING, {Path(checkout).name}: {median:.2f} s")
     if args.json:
-        args.json.write_text(json.dumps({"server_args": server_args, "starts": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"server_args": server_args, "cold": args.cold, "starts": rows}, indent=2)
+        )
     return 0
 
 
