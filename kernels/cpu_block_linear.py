@@ -280,7 +280,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,
     ctypes.c_int,
 ]
-# w, type, out, n, k, threads
+# duoserve_block_dequantize(w, type, out, n, k, threads) -> 0 | -1 | -2
 _DEQUANTIZE_ARGTYPES: list[Any] = [
     ctypes.c_void_p,
     ctypes.c_int,
