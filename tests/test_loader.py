@@ -216,8 +216,8 @@ def test_kv_cache_layout() -> None:
     per_block = kv_cache_bytes_per_block(config, 16, torch.bfloat16)
     assert per_block == 2 * 3 * 16 * 2 * 2 * 2
     assert sum(k.nbytes + v.nbytes for k, v in caches) == 5 * per_block
-    # Zero-filled, contiguous, and every tensor its own memory (the CPU's are views of one mapping).
-    gc.collect()  # nothing but the tensors holds the mapping now
+    # Zero-filled, contiguous, and every tensor its own memory.
+    gc.collect()  # nothing but the list holds the tensors
     tensors = [t for pair in caches for t in pair]
     assert all(t.is_contiguous() and not t.any() for t in tensors)
     for index, tensor in enumerate(tensors):
