@@ -25,7 +25,7 @@ def allocate_kv_cache(
 
     Written in full here, so that no request pays for the pool's first touch: with the pool a
     lazily faulted mapping instead, a server ready 0.6-1.1 s sooner served its first 64×256×128
-    run at 0.83-0.89× the throughput (a 2-core EPYC VM, where first touches of memory are dear).
+    runs at 0.83-0.90× the throughput (a 2-core EPYC VM, where first touches of memory are dear).
     """
     assert num_blocks > 0 and block_size > 0, f"need positive sizes, got {num_blocks=} {block_size=}"
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
