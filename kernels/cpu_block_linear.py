@@ -361,11 +361,8 @@ class BlockLinear:
 
 def _entry(dtype: torch.dtype) -> Callable[..., int]:
     """The kernel's C function for x in `dtype`, from its library (built, or found in the cache)."""
-    return (
-        _library(dtype).duoserve_block_linear_bf16
-        if dtype == torch.bfloat16
-        else _library(dtype).duoserve_block_linear
-    )
+    library = _library(dtype)
+    return library.duoserve_block_linear_bf16 if dtype == torch.bfloat16 else library.duoserve_block_linear
 
 
 def _library(dtype: torch.dtype) -> ctypes.CDLL:
