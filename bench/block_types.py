@@ -4,7 +4,7 @@ the super-block types apply), against oneDNN's packed float32 kernel on the same
 
     .venv/bin/python bench/block_types.py [--rows 1 4 16 256] [--layers 2] [--types Q4_0 IQ2_XS ...]
 
-Each type's weights are random, quantized by the gguf package (the K-quants and IQ4 types by
+Each type's weights are random, quantized by the gguf package (the K-quants, IQ4 types and NVFP4 by
 bench/k_quants.py); the codebook types' (IQ1_S to IQ3_S) are random blocks of theirs.
 `--layers` copies of the layer are streamed in turn, so that a pass does not find the last one's
 weights in cache; the types take turns, medians of 7 passes. It prints milliseconds per layer,
@@ -42,6 +42,7 @@ TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_
 # Random blocks: the IQ2 types and IQ3_XXS have no writer here, and writing the others' blocks
 # for a 1B-class layer (a search over their codebooks) would take minutes.
 TYPES += ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
+TYPES += ["MXFP4", "NVFP4", "TQ2_0", "TQ1_0"]
 
 
 def quantized(type_name: str, dense: np.ndarray) -> BlockWeight:

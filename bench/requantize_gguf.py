@@ -4,12 +4,14 @@
 
 Every metadata key and every other tensor (norms, the embedding) is copied as stored; each
 `blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`:
-- Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by the gguf package;
-- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S and IQ1_M by bench/k_quants.py (the
-  gguf package reads them but cannot write them). A super-block holds 256 weights; like llama.cpp's
-  quantizer, rows of another length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0,
-  Q5_1 and Q8_0, Q2_K, Q3_K, IQ4_XS, IQ3_S, IQ1_S and IQ1_M to IQ4_NL. So a small model's
-  "K-quant" file is mostly such blocks; SmolLM2's ffn_down rows (1536) are the super-block ones.
+- Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, TQ1_0, TQ2_0 and MXFP4 by the gguf package;
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S, IQ1_M and NVFP4 by
+  bench/k_quants.py (the gguf package reads them but cannot write them). A super-block holds 256
+  weights; like llama.cpp's quantizer, rows of another length (SmolLM2-135M's 576) fall back:
+  Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and Q8_0, Q2_K, Q3_K, IQ4_XS, IQ3_S, IQ1_S and IQ1_M to
+  IQ4_NL, TQ1_0 and TQ2_0 to Q4_0. So a small model's "K-quant" file is mostly such blocks;
+  SmolLM2's ffn_down rows (1536) are the super-block ones. The ternary types make no sense of a
+  model not trained for them: their files are for speed and memory, not for text.
 - Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
   gives more bits (the first and last eighth of the layers, and every third one between).
 - Q3_K_M, likewise: Q3_K, with attn_output in Q4_K, attn_v in Q5_K in the first two layers and
@@ -20,8 +22,10 @@ Benchmarks and tests serve the copy to compare block types on the same model.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -35,6 +39,7 @@ from scheduler.model_files import find_default_model
 TYPES = (
     *("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"),
     *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ1_S", "IQ1_M"),
+    *("TQ1_0", "TQ2_0", "MXFP4", "NVFP4"),
     *("Q4_K_M", "Q3_K_M"),
 )
 # for rows not in 256s
@@ -48,6 +53,8 @@ FALLBACK = {
     "IQ3_S": "IQ4_NL",
     "IQ1_S": "IQ4_NL",
     "IQ1_M": "IQ4_NL",
+    "TQ1_0": "Q4_0",
+    "TQ2_0": "Q4_0",
 }
 LAYER_MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
@@ -66,9 +73,15 @@ def matrix_type(type_name: str, kind: str, layer: int, layers: int, k: int) -> s
     return type_name
 
 
-def requantize(source: Path, target: Path, type_name: str) -> dict[str, int]:
+def requantize(
+    source: Path,
+    target: Path,
+    type_name: str,
+    choose: Callable[[str, int, int, int], str | None] | None = None,
+) -> dict[str, int]:
     """`source` with its layer matrices in `type_name`, written to `target`; the count of layer
-    matrices written in each type."""
+    matrices written in each type. `choose(kind, layer, layers, k)`, where given, picks each
+    matrix's type instead (None: the matrix as stored)."""
     reader = gguf.GGUFReader(source)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     assert arch is not None, f"{source}: no {gguf.Keys.General.ARCHITECTURE}"
@@ -83,10 +96,15 @@ def requantize(source: Path, target: Path, type_name: str) -> dict[str, int]:
     for tensor in reader.tensors:
         matrix = LAYER_MATRIX.fullmatch(tensor.name)
         if matrix and len(tensor.shape) == 2:
+            k = int(tensor.shape[0])
+            pick = choose or functools.partial(matrix_type, type_name)
+            chosen = pick(matrix[2], int(matrix[1]), layers, k)
+            if chosen is None:
+                writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+                continue
             dense = np.ascontiguousarray(
                 gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
             )
-            chosen = matrix_type(type_name, matrix[2], int(matrix[1]), layers, dense.shape[1])
             counts[chosen] = counts.get(chosen, 0) + 1
             writer.add_tensor(
                 tensor.name, k_quants.write_blocks(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]

@@ -4,9 +4,10 @@ Two formats: a GGUF file (read by scheduler/gguf_file.py, dequantized with the `
 directory (`config.json` + `*.safetensors`, optionally sharded with an index). Everything
 that can be wrong with a model file is reported as a `ModelLoadError` naming the file and
 the key or tensor at fault. `load_block_weights` also gives a GGUF file's
-linears in their own blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q2_K to Q6_K, IQ4_XS, and the
-codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), which the CPU's block kernel
-multiplies without dequantizing.
+linears in their own blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, Q2_K to Q6_K, IQ4_XS, the
+codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, the ternary TQ1_0 and TQ2_0,
+and the 4-bit floats MXFP4 and NVFP4), which the CPU's block kernel multiplies without
+dequantizing.
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def load_block_weights(
 ) -> dict[str, BlockWeight]:
     """The model's 2-D weights as its files store them, by Hugging Face name, for the block linear
     (kernels/cpu_block_linear.py): a GGUF file's stored as Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL,
-    Q2_K to Q6_K, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, F16 or BF16 (q and
-    k rows in Hugging Face's order, as `load_model` gives them), a Hugging Face directory's stored
-    as float16 or bfloat16. Weights of other types (TQ1_0, TQ2_0, MXFP4, F32) are left out, and
+    Q2_K to Q6_K, IQ4_XS, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0,
+    MXFP4, NVFP4, F16 or BF16 (q and k rows in Hugging Face's order, as `load_model` gives them), a
+    Hugging Face directory's stored as float16 or bfloat16. F32 weights are left out, and
     the 16-bit ones unless `sixteen_bit` (a bfloat16 model multiplies on its own weights instead,
     no copy needed)."""
     path = Path(path)

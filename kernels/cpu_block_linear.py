@@ -1,8 +1,9 @@
 """y = x @ weight.T (+ bias) in float32 on a weight kept as its file stores it, on the CPU, for decode
-steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, and the
-super-blocks of 256 weights of the K-quants Q2_K to Q6_K, of IQ4_XS and of the codebook types
-IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit floats (F16, BF16) of a GGUF
-file or a safetensors checkpoint, in 32-weight "blocks" of their own.
+steps and prefill chunks: a GGUF file's blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the 4-bit
+floats MXFP4 and NVFP4 (blocks of 64), and the super-blocks of 256 weights of the K-quants Q2_K to
+Q6_K, of IQ4_XS, of the codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S and
+of the ternary TQ1_0 and TQ2_0), or 16-bit floats (F16, BF16) of a GGUF file or a safetensors
+checkpoint, in 32-weight "blocks" of their own.
 
 A decode step of a few sequences streams every weight from memory once, so its linears take as
 long as the weights' bytes take to arrive. `kernels/cpu/block_linear.c` reads the file's own 4-
@@ -41,10 +42,12 @@ from kernels.cpu_build import KernelBuildError, build, cpu_has, load
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 
-# ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights or (super-blocks) 256.
+# ggml's type numbers (as in a GGUF file) → bytes per block, of 32 weights (NVFP4: 64) or
+# (super-blocks) 256.
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 1, 2, 3, 6, 7, 8, 30
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M = 16, 17, 18, 19, 21, 22, 29
+TQ1_0, TQ2_0, MXFP4, NVFP4 = 34, 35, 39, 40
 BLOCK_BYTES = {
     F16: 64,
     Q4_0: 18,
@@ -66,12 +69,17 @@ BLOCK_BYTES = {
     IQ3_S: 110,
     IQ1_S: 50,
     IQ1_M: 56,
+    TQ1_0: 54,
+    TQ2_0: 66,
+    MXFP4: 17,
+    NVFP4: 36,
     BF16: 64,
 }
 K_QUANTS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)
 # Weights as rows of ggml's codebooks (gguf.quants' grids) with a sign each (IQ1's: a delta per row).
 CODEBOOKS = (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
-SUPER_BLOCKS = (*K_QUANTS, IQ4_XS, *CODEBOOKS)  # the types of 256 weights a block
+TERNARY = (TQ1_0, TQ2_0)  # weights of d times -1, 0 or 1
+SUPER_BLOCKS = (*K_QUANTS, IQ4_XS, *CODEBOOKS, *TERNARY)  # the types of 256 weights a block
 TYPE_NAMES = {type_: gguf.GGMLQuantizationType(type_).name for type_ in BLOCK_BYTES}  # ggml's own names
 # The 16-bit float types: their blocks are the weight's own elements.
 DENSE_TYPES = {torch.float16: F16, torch.bfloat16: BF16}
@@ -79,9 +87,9 @@ _TYPES_LISTED = ", ".join(f"{name} ({number})" for number, name in TYPE_NAMES.it
 
 
 def weights_per_block(type_: int) -> int:
-    """Weights in one block of the type: 256 in a super-block (the K-quants', IQ4_XS's and the
-    codebook types'), else 32."""
-    return 256 if type_ in SUPER_BLOCKS else 32
+    """Weights in one block of the type: 256 in a super-block (the K-quants', IQ4_XS's, the
+    codebook types' and the ternary types'), 64 in NVFP4's, else 32."""
+    return 256 if type_ in SUPER_BLOCKS else 64 if type_ == NVFP4 else 32
 
 
 def row_bytes(type_: int, k: int) -> int:
@@ -198,7 +206,7 @@ def concat_rows(weights: Sequence[BlockWeight]) -> Blocks | None:
 
 
 def _dequantize(blocks: np.ndarray, type_: int) -> np.ndarray:
-    if type_ in (*SUPER_BLOCKS, IQ4_NL):  # the gguf package's own float32 dequantization
+    if type_ not in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):  # the gguf package's own float32 dequantization
         return gguf.quants.dequantize(blocks.reshape(-1), gguf.GGMLQuantizationType(type_)).reshape(-1)
     raw = blocks.reshape(-1, BLOCK_BYTES[type_])
     d = raw[:, :2].copy().view(np.float16).astype(np.float32)
@@ -429,6 +437,8 @@ __all__ = [
     "IQ4_XS",
     "K_QUANTS",
     "MAX_ROWS",
+    "MXFP4",
+    "NVFP4",
     "Q2_K",
     "Q3_K",
     "Q4_0",
@@ -440,6 +450,9 @@ __all__ = [
     "Q6_K",
     "Q8_0",
     "SUPER_BLOCKS",
+    "TERNARY",
+    "TQ1_0",
+    "TQ2_0",
     "BlockLinear",
     "BlockRows",
     "BlockWeight",

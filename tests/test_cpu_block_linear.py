@@ -1,8 +1,9 @@
 """The block linear (kernels/cpu/block_linear.c): float32 products on Q8_0/Q5_0/Q5_1/Q4_0/Q4_1 blocks, on
 IQ4_NL blocks and Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS super-blocks (those written by bench/k_quants.py),
 on IQ1_S/IQ1_M/IQ2_XXS/IQ2_XS/IQ2_S/IQ3_XXS/IQ3_S super-blocks (random ones: every byte pattern
-around their fp16 d is a block) and
-on F16/BF16 weights, and its bfloat16 entry (x widened, y rounded once)."""
+around their fp16 d is a block), on TQ1_0/TQ2_0/MXFP4 blocks (written by the gguf package) and
+NVFP4 blocks (bench/k_quants.py), on F16/BF16 weights, and its bfloat16 entry (x widened, y
+rounded once)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from kernels.cpu_block_linear import (
     IQ3_S,
     IQ4_NL,
     IQ4_XS,
+    MXFP4,
+    NVFP4,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -44,6 +47,7 @@ from kernels.cpu_block_linear import (
     Q5_K,
     Q6_K,
     Q8_0,
+    TERNARY,
     TYPE_NAMES,
     BlockLinear,
     BlockRows,
@@ -98,7 +102,19 @@ def test_blocks_dequantize_as_the_gguf_package_does(type_: int) -> None:
 
 
 WRITTEN = k_quants.WRITTEN  # the types bench/k_quants.py writes
-BITS = {Q2_K: 2, Q3_K: 3, Q4_K: 4, Q5_K: 5, Q6_K: 6, IQ4_NL: 4, IQ4_XS: 4, IQ3_S: 3, IQ1_S: 1, IQ1_M: 1}
+BITS = {
+    Q2_K: 2,
+    Q3_K: 3,
+    Q4_K: 4,
+    Q5_K: 5,
+    Q6_K: 6,
+    IQ4_NL: 4,
+    IQ4_XS: 4,
+    IQ3_S: 3,
+    IQ1_S: 1,
+    IQ1_M: 1,
+    NVFP4: 4,
+}
 
 
 @pytest.mark.parametrize("type_", WRITTEN)
@@ -107,7 +123,9 @@ def test_written_blocks_hold_the_weight_they_were_written_from(type_: int) -> No
     quantization's error: every scale, minimum and quant bit where the layout puts it."""
     rng = np.random.default_rng(type_)
     dense = rng.standard_normal((24, 512), dtype=np.float32)
-    dense[3] *= 1e-3  # a row of small weights, one of zeros, one all positive, one all negative
+    # a row of small weights (NVFP4's E4M3 scales stop at 2^-9: a smaller row would round to 0),
+    # one of zeros, one all positive, one all negative
+    dense[3] *= 1e-2 if type_ == NVFP4 else 1e-3
     dense[4] = 0.0
     dense[5] = np.abs(dense[5])
     dense[6] = -np.abs(dense[6])
@@ -243,6 +261,25 @@ def test_widening_a_weight_gives_its_dequantized_values(kernel: BlockLinear, typ
     assert torch.equal(kernel.widen(weight), weight.dequantize())
 
 
+@pytest.mark.parametrize("type_", [MXFP4, NVFP4])
+def test_every_fp4_scale_byte_widens_to_its_value(kernel: BlockLinear, type_: int) -> None:
+    """MXFP4's e8m0 and NVFP4's E4M3 scales, all 256 bytes of each (the writers make only some:
+    subnormal, 2^127, NVFP4's 0x7f and bytes with bit 7 set), as the gguf package reads them."""
+    rng = np.random.default_rng(type_)
+    per_row = 4  # blocks
+    raw = rng.integers(0, 256, size=(64, per_row, BLOCK_BYTES[type_]), dtype=np.uint8)
+    if type_ == MXFP4:
+        raw[:, :, 0] = np.arange(256, dtype=np.uint8).reshape(64, per_row)
+    else:  # the first block's four scale bytes, one for each 16 weights
+        raw[:, 0, :4] = np.arange(256, dtype=np.uint8).reshape(64, 4)
+    blocks = raw.reshape(64, -1)
+    weight = BlockWeight(type_, torch.from_numpy(blocks), per_row * weights_per_block(type_))
+    with np.errstate(over="ignore"):
+        want = gguf.quants.dequantize(blocks, TYPES[type_]).reshape(64, weight.k)
+    assert np.isinf(want).any() == (type_ == MXFP4)  # 2^127 times 12 overflows float32, as there
+    assert torch.equal(kernel.widen(weight), torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("type_", sorted(set(TYPES) - {BF16}))  # BF16 weights are bfloat16 already
 def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: int) -> None:
     k = whole(type_, 576)
@@ -254,8 +291,14 @@ def test_bfloat16_weights_are_rounded_to_bfloat16(kernel: BlockLinear, type_: in
     got = kernel(x, weight)
     want = (3 * dense.bfloat16().float()[:, picked].T).bfloat16()
     assert torch.equal(got, want)
-    # From the unrounded weight a quarter of them would differ: the rounding is what this checks.
-    assert (want != (3 * dense[:, picked].T).bfloat16()).float().mean() > 0.1
+    # From the unrounded weight some would differ: the rounding is what this checks. A quarter of
+    # them where each weight has bits of its own; ternary weights share one d per 256, of which few
+    # round differently; 4-bit floats times their scale have at most 7 bits: bfloat16 values already.
+    differ = (want != (3 * dense[:, picked].T).bfloat16()).float().mean()
+    if type_ in (MXFP4, NVFP4):
+        assert torch.equal(dense.bfloat16().float(), dense)
+    else:
+        assert differ > (0.01 if type_ in TERNARY else 0.1)
 
 
 @pytest.mark.parametrize("rows", [5, 40])  # both paths
@@ -300,7 +343,9 @@ def test_bad_arguments_are_refused_by_name(kernel: BlockLinear) -> None:
     with pytest.raises(ValueError, match="blocks"):
         BlockWeight(Q8_0, torch.zeros(4, 40, dtype=torch.uint8), 64)  # Q8_0 rows of 64 are 68 bytes
     with pytest.raises(ValueError, match="type"):
-        BlockWeight(34, torch.zeros(4, 54, dtype=torch.uint8), 256)  # TQ1_0: not a block kernel type
+        BlockWeight(41, torch.zeros(4, 36, dtype=torch.uint8), 256)  # Q1_0: not a block kernel type
+    with pytest.raises(ValueError, match=r"k: got 32, expected a positive multiple of 64 for NVFP4"):
+        BlockWeight(NVFP4, torch.zeros(4, 18, dtype=torch.uint8), 32)
     with pytest.raises(ValueError, match="k"):
         BlockWeight(Q4_0, torch.zeros(4, 18, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"k: got 288, expected a positive multiple of 256 for Q4_K"):
@@ -530,6 +575,36 @@ def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
         want = gguf.quants.dequantize(raw[gguf_name], gguf.GGMLQuantizationType[stored[gguf_name]])
         assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
         if kernel is not None:
+            torch.testing.assert_close(
+                kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
+            )
+
+
+def test_gguf_ternary_and_fp4_weights_are_blocks(tmp_path: Path) -> None:
+    """TQ1_0, TQ2_0, MXFP4 and NVFP4 tensors of a GGUF file (written by the gguf package, NVFP4 by
+    bench/k_quants.py) come as blocks, with the values the gguf package dequantizes them to, and
+    multiply on the kernel as those values."""
+    rng = np.random.default_rng(3)
+    stored = {
+        "blk.0.attn_output.weight": ("TQ1_0", (64, 512)),
+        "blk.0.attn_v.weight": ("TQ2_0", (32, 512)),
+        "blk.0.ffn_up.weight": ("MXFP4", (96, 160)),
+        "blk.0.ffn_down.weight": ("NVFP4", (160, 192)),
+    }
+    written = {
+        name: (type_name, k_quants.write_blocks(rng.standard_normal(shape, dtype=np.float32), type_name))
+        for name, (type_name, shape) in stored.items()
+    }
+    blocks = load_block_weights(gguf_of(tmp_path / "tq.gguf", written), None)  # type: ignore[arg-type]
+    assert set(blocks) == {hf_name(name) for name in stored}
+    kernel = block_kernel()
+    for gguf_name, (type_name, shape) in stored.items():
+        block = blocks[hf_name(gguf_name)]
+        assert (block.type_name, block.n, block.k) == (type_name, *shape)
+        want = gguf.quants.dequantize(written[gguf_name][1], gguf.GGMLQuantizationType[type_name])
+        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
+        if kernel is not None:
+            x = torch.randn(3, shape[1])
             torch.testing.assert_close(
                 kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
             )

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import gguf
 import pytest
 import torch
 
+from bench.requantize_gguf import requantize
 from gpu_worker import worker
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
@@ -442,3 +444,41 @@ def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
     assert len(linears) == len(dense.linears())
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(linears, dense.linears(), strict=True))
     assert torch.equal(model.embed_tokens, dense.embed_tokens)
+
+
+def ternary_and_fp4(kind: str, layer: int, layers: int, k: int) -> str | None:
+    """Layers 0-3 of SmolLM2 in MXFP4, NVFP4 and (rows of 1536) TQ1_0 and TQ2_0; the rest as
+    stored."""
+    if layer > 3:
+        return None
+    if k % 256 == 0 and layer >= 2:
+        return "TQ1_0" if layer == 2 else "TQ2_0"
+    return "MXFP4" if layer % 2 == 0 else "NVFP4"
+
+
+def test_the_worker_widens_ternary_and_fp4_weights_to_their_values(tmp_path: Path) -> None:
+    """A file with TQ1_0, TQ2_0, MXFP4 and NVFP4 layers: with the kernel every linear takes its
+    blocks, and the float32 copies the worker widens from them are the gguf package's values, bit
+    for bit (load_model dequantizes them with numpy)."""
+    kernel = block_kernel()
+    if kernel is None:
+        pytest.skip("no block linear kernel on this CPU")
+    path = tmp_path / "smollm2-tq-fp4.gguf"
+    counts = requantize(find_default_model(), path, "", choose=ternary_and_fp4)
+    assert counts == {"MXFP4": 13, "NVFP4": 13, "TQ1_0": 1, "TQ2_0": 1}  # 7 matrices a layer
+    config, weights = load_model(path)
+    blocks = load_block_weights(path, config)
+    assert {blocks[f"model.layers.{layer}.mlp.down_proj.weight"].type_name for layer in range(4)} == {
+        "MXFP4",
+        "NVFP4",
+        "TQ1_0",
+        "TQ2_0",
+    }
+    built: Future[BlockLinear | None] = Future()
+    built.set_result(kernel)
+    settings = worker.WorkerConfig(model=str(path), scheduler_address="ipc:///unused", dense_weights="keep")
+    model = worker.load_weights(settings, config, torch.float32, CPU, built)
+    assert model.block_linears == len(model.linears())
+    dense = LlamaModel(config, torch.float32, CPU)
+    dense.load_weights(dict(weights))
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.linears(), dense.linears(), strict=True))

@@ -1,8 +1,9 @@
 /*
  * y = x @ w.T (+ bias) in float32 on a weight kept as its file stores it: the GGUF file's own
- * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS, and the
- * codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S), or 16-bit
- * floats (F16, BF16: a GGUF file's or a safetensors checkpoint's). A decode step streams every
+ * blocks (Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, IQ4_NL, the K-quants Q2_K to Q6_K, IQ4_XS, the
+ * codebook types IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S, the ternary TQ1_0 and
+ * TQ2_0, and the 4-bit floats MXFP4 and NVFP4), or 16-bit floats (F16, BF16: a GGUF file's or
+ * a safetensors checkpoint's). A decode step streams every
  * weight once and does two flops with each byte-sized piece of it, so its time is the weights'
  * bytes over the memory's speed:
  * SmolLM2-135M's Q4_1 linears and Q8_0 head are 96 MB where their float32 copies are 538 MB.
@@ -14,11 +15,20 @@
  *   Q5_0: fp16 d, uint32 h, uint8 q[16]           w[j] = d * (five[j] - 16)
  *   Q5_1: fp16 d, fp16 m, uint32 h, uint8 q[16]   w[j] = d * five[j] + m
  *   IQ4_NL: fp16 d, uint8 q[16]                   w[j] = d * NL[nibble[j]]
+ *   MXFP4: uint8 e, uint8 q[16]                   w[j] = 2^(e - 128) * FP4[nibble[j]]
  *   F16:  fp16 h[32]                              w[j] = h[j]
  *   BF16: bf16 h[32]                              w[j] = h[j]
  * where nibble[j] is the low half of q[j] for j < 16 and the high half of q[j - 16] after, and
  * five[j] is nibble[j] + 16 * (bit j of h, little-endian). NL is ggml's table of 16 non-linear
- * levels, -127 to 113.
+ * levels, -127 to 113. FP4 is the sixteen values of a 4-bit float (E2M1) doubled, 0 to 6 and -0
+ * to -6 in steps of 0.5, 1 and 2: 0, 1, 2, 3, 4, 6, 8, 12 and their negatives; 2^(e - 128) for e
+ * = 0 and 1 is the subnormal 2^-128 and 2^-127 (ggml's e8m0 half).
+ *
+ * NVFP4 keeps 64 weights in 36 bytes: uint8 s[4], one unsigned E4M3 scale per 16 weights, then
+ * uint8 q[32], 8 for each 16: weight 16i + j is half(s[i]) * FP4[q[8i + j] & 15] for j < 8 and
+ * half(s[i]) * FP4[q[8i + j - 8] >> 4] after, half(s) the E4M3 value of s halved (the bits 3-6
+ * its exponent, 7 biased; s = 0 and 0x7f are 0). The kernel takes a block's two halves as groups of
+ * 32, each with two scales.
  *
  * The K-quants and IQ4_XS keep 256 weights in a super-block of 8 groups of 32 (ggml's layouts):
  *   Q2_K: uint8 scales[16], uint8 qs[64], fp16 d, fp16 dmin                  (84 bytes)
@@ -37,6 +47,14 @@
  * IQ4_XS: group g's weight j is d * (s - 32) * NL[q], q the low (j < 16) or high nibble of qs[16g
  * + j % 16], s a 6-bit number from scales_l and scales_h. The kernel takes such weights group by
  * group, like the 32-weight blocks.
+ *
+ * The ternary types keep 256 weights of d * (q - 1), q 0, 1 or 2, in a super-block too:
+ *   TQ2_0: uint8 qs[64], fp16 d                                              (66 bytes)
+ *   TQ1_0: uint8 qs[48], uint8 qh[4], fp16 d                                 (54 bytes)
+ * TQ2_0's group g = 4h + t takes q from two bits of qs[32h + j] >> 2t, as Q2_K does. TQ1_0 packs
+ * five q in a byte (four in qh's) as the fraction b / 256 of a base-3 number: the p-th digit is
+ * ((b * 3^p mod 256) * 3) >> 8. Weight 32p + j is digit p of qs[j] (p < 5), weight 160 + 16p + j
+ * digit p of qs[32 + j] (p < 5, j < 16), and weight 240 + 4p + j digit p of qh[j] (p < 4, j < 4).
  *
  * The codebook types keep 256 weights in a super-block too, each group of 32 as rows of ggml's
  * codebooks (grids of 8 or 4 unsigned values) with a sign for each weight:
@@ -71,8 +89,8 @@
  * Each block is widened to float32 in registers, to the very values dequantizing it in float32
  * gives (d * q is exact: an fp16 times an integer of at most 8 bits, or d times a scale of at most 8
  * bits times q, fits float32's mantissa, and so does a codebook's db * grid value, at most 11 + 5 +
- * 6 bits; an additive term joins with one rounding; 16-bit floats
- * widen exactly), so the result is
+ * 6 bits, and a 4-bit float's 3 bits times its scale's 1 or 4; an additive term joins with one
+ * rounding; 16-bit floats widen exactly), so the result is
  * x @ dequantize(w).T with the additions in another order: equal to float32 rounding.
  *
  * Two paths, by the number of rows of x:
@@ -123,7 +141,11 @@ enum {
     TYPE_IQ2_S = 22,
     TYPE_IQ4_XS = 23,
     TYPE_IQ1_M = 29,
-    TYPE_BF16 = 30
+    TYPE_BF16 = 30,
+    TYPE_TQ1_0 = 34,
+    TYPE_TQ2_0 = 35,
+    TYPE_MXFP4 = 39,
+    TYPE_NVFP4 = 40
 };
 
 /* Each build of this file serves one element type of x and y: BFLOAT16=1 builds
@@ -133,7 +155,7 @@ enum {
 #define BFLOAT16 0
 #endif
 
-/* Runs CALL(T, B) with T the constant equal to `type` (one of the twenty-one) and B the build's
+/* Runs CALL(T, B) with T the constant equal to `type` (one of the twenty-five) and B the build's
  * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
  * rounding to bfloat16, so they take B = 0 either way. */
 #define WITH_TYPE(type, CALL)                                                                        \
@@ -158,6 +180,10 @@ enum {
         case TYPE_IQ3_S: CALL(TYPE_IQ3_S, BFLOAT16); break;                                          \
         case TYPE_IQ1_S: CALL(TYPE_IQ1_S, BFLOAT16); break;                                          \
         case TYPE_IQ1_M: CALL(TYPE_IQ1_M, BFLOAT16); break;                                          \
+        case TYPE_TQ1_0: CALL(TYPE_TQ1_0, BFLOAT16); break;                                          \
+        case TYPE_TQ2_0: CALL(TYPE_TQ2_0, BFLOAT16); break;                                          \
+        case TYPE_MXFP4: CALL(TYPE_MXFP4, BFLOAT16); break;                                          \
+        case TYPE_NVFP4: CALL(TYPE_NVFP4, BFLOAT16); break;                                          \
         case TYPE_F16: CALL(TYPE_F16, BFLOAT16); break;                                              \
         case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
         default: break;                                                                              \
@@ -182,7 +208,7 @@ static inline int codebook(int type)
 static inline int super_blocks(int type)
 {
     return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
-           type == TYPE_IQ4_XS || codebook(type);
+           type == TYPE_IQ4_XS || type == TYPE_TQ1_0 || type == TYPE_TQ2_0 || codebook(type);
 }
 
 /* ggml's codebooks as bytes, rows of 8 (IQ2, IQ1) or 4 (IQ3), and its sign patterns: set once by
@@ -203,15 +229,15 @@ void duoserve_block_linear_use_codebooks(const uint8_t *iq2_xxs, const uint8_t *
 static inline int known_type(int type)
 {
     return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q5_0 || type == TYPE_Q5_1 ||
-           type == TYPE_IQ4_NL || type == TYPE_F16 || type == TYPE_BF16 ||
+           type == TYPE_IQ4_NL || type == TYPE_F16 || type == TYPE_BF16 || type == TYPE_MXFP4 || type == TYPE_NVFP4 ||
            (super_blocks(type) && (!codebook(type) || ksigns != NULL));
 }
 
-/* Weights in one block (256 in a super-block, else 32), the block's bytes, and where a 32-weight
- * block's quants start. */
+/* Weights in one block (256 in a super-block, 64 in NVFP4's, else 32), the block's bytes, and where
+ * a 32-weight block's quants start. */
 static inline int64_t weights_per_block(int type)
 {
-    return super_blocks(type) ? 256 : 32;
+    return super_blocks(type) ? 256 : type == TYPE_NVFP4 ? 64 : 32;
 }
 static inline int64_t block_bytes(int type)
 {
@@ -234,11 +260,15 @@ static inline int64_t block_bytes(int type)
            : type == TYPE_IQ3_S ? 110
            : type == TYPE_IQ1_S ? 50
            : type == TYPE_IQ1_M ? 56
+           : type == TYPE_TQ1_0 ? 54
+           : type == TYPE_TQ2_0 ? 66
+           : type == TYPE_MXFP4 ? 17
+           : type == TYPE_NVFP4 ? 36
                                : 64;
 }
 static inline int64_t quants_at(int type)
 {
-    return type == TYPE_Q5_1 ? 8 : type == TYPE_Q5_0 ? 6 : type == TYPE_Q4_1 ? 4 : 2;
+    return type == TYPE_Q5_1 ? 8 : type == TYPE_Q5_0 ? 6 : type == TYPE_Q4_1 ? 4 : type == TYPE_MXFP4 ? 1 : 2;
 }
 
 /* The fifth bits of a Q5 block's 32 weights, each as 16 or 0 in byte j of the result: bit j of the
@@ -287,10 +317,43 @@ static inline __attribute__((always_inline)) void nl_to_floats(const uint8_t *q,
     halves_to_floats(nl_levels(low), nl_levels(high), 1, w);
 }
 
-/* A super-block's factors, worked out once for its 8 groups: Q4_K/Q5_K d * sc and -(dmin * m) per
- * group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32) and Q2_K d * (scale & 15)
- * and -(dmin * (scale >> 4)) per 16 weights, and the codebook types' db per group (IQ2_XXS,
- * IQ3_XXS, IQ3_S; IQ1_S's dl / 8) or per 16 weights (IQ2_XS, IQ2_S; IQ1_M's dl / 8). */
+/* The FP4 values (E2M1, doubled) of the nibbles in the low halves of `nibbles`' bytes, as signed
+ * bytes. */
+static inline __m128i fp4_levels(__m128i nibbles)
+{
+    const __m128i levels = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm_shuffle_epi8(levels, nibbles);
+}
+
+/* MXFP4's scale: 2^(e - 128), its e8m0 exponent halved (subnormal for e = 0 and 1). */
+static inline float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float value;
+    __builtin_memcpy(&value, &bits, 4);
+    return value;
+}
+
+/* NVFP4's scales: the unsigned E4M3 number s halved, for each byte s (bit 7 is not read; s = 0 and
+ * 0x7f are 0), filled when the library is loaded. */
+static float e4m3_halves[256];
+
+__attribute__((constructor)) static void fill_e4m3_halves(void)
+{
+    for (int s = 0; s < 256; s++) {
+        const uint32_t exponent = (s >> 3) & 15, mantissa = s & 7;
+        uint32_t bits = (exponent + 119) << 23 | mantissa << 20; /* (1 + m / 8) * 2^(e - 8) */
+        __builtin_memcpy(&e4m3_halves[s], &bits, 4);
+        if (exponent == 0) e4m3_halves[s] = (float)mantissa * 0x1p-10f;
+        if (s == 0 || s == 0x7f) e4m3_halves[s] = 0.0f;
+    }
+}
+
+/* A super-block's factors, worked out once for its 8 groups: TQ1_0/TQ2_0 d and -d, Q4_K/Q5_K
+ * d * sc and -(dmin * m) per group, IQ4_XS d * (s - 32) per group, Q6_K d * scale, Q3_K d * (s - 32)
+ * and Q2_K d * (scale & 15) and -(dmin * (scale >> 4)) per 16 weights, and the codebook types' db
+ * per group (IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S's dl / 8) or per 16 weights (IQ2_XS, IQ2_S; IQ1_M's
+ * dl / 8). */
 typedef struct {
     float times[16];
     float minus[16];
@@ -310,6 +373,11 @@ static inline __attribute__((always_inline)) void scaled_bytes(
 
 static inline __attribute__((always_inline)) void prepare_super(const uint8_t *block, const int type, super_scales *s)
 {
+    if (type == TYPE_TQ1_0 || type == TYPE_TQ2_0) { /* d * q - d, one d for all */
+        const float d = half_to_float(block + (type == TYPE_TQ1_0 ? 52 : 64));
+        for (int i = 0; i < 16; i++) s->times[i] = d, s->minus[i] = -d;
+        return;
+    }
     if (type == TYPE_IQ1_M) { /* dl / 8 per 16 weights; d from the scales' top nibbles */
         uint64_t scales;
         __builtin_memcpy(&scales, block + 48, 8);
@@ -506,20 +574,61 @@ static inline __attribute__((always_inline)) void widen_codebook_group(
     }
 }
 
+/* Group g of a TQ1_0 super-block as float32 in w[0..3]: d * (q - 1), exact (q - 1 is -1, 0 or 1),
+ * q the digits of the group's bytes (see the layout at the top), 16 at a time in 16-bit lanes:
+ * m = b * 3^p mod 256, then (3m) >> 8 as the high half of m * 768. */
+static inline __attribute__((always_inline)) void widen_tq1_group(
+    const uint8_t *block, const int64_t g, const super_scales *s, __m256 w[4])
+{
+    static const int16_t powers[5] = {1, 3, 9, 27, 81};
+    __m256i bytes; /* the bytes of weights 0-15 in the low lane, 16-31 in the high one */
+    __m256i times[2];
+    if (g < 5) { /* qs[0..31], digit g */
+        bytes = _mm256_loadu_si256((const __m256i *)block);
+        times[0] = times[1] = _mm256_set1_epi16(powers[g]);
+    } else { /* qs[32..47], digits 2 (g - 5) and the next; group 7: digit 4, then qh's */
+        const __m128i high = _mm_loadu_si128((const __m128i *)(block + 32));
+        if (g < 7) {
+            bytes = _mm256_broadcastsi128_si256(high);
+            times[0] = _mm256_set1_epi16(powers[2 * (g - 5)]);
+            times[1] = _mm256_set1_epi16(powers[2 * (g - 5) + 1]);
+        } else { /* weight 240 + 4p + j is digit p of qh[j] */
+            uint32_t qh;
+            __builtin_memcpy(&qh, block + 48, 4);
+            bytes = _mm256_setr_m128i(high, _mm_set1_epi32((int)qh));
+            times[0] = _mm256_set1_epi16(81);
+            times[1] = _mm256_setr_epi16(1, 1, 1, 1, 3, 3, 3, 3, 9, 9, 9, 9, 27, 27, 27, 27);
+        }
+    }
+    const __m256 d = _mm256_broadcast_ss(s->times), minus = _mm256_broadcast_ss(s->minus);
+    for (int h = 0; h < 2; h++) {
+        const __m256i b = _mm256_cvtepu8_epi16(h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes));
+        const __m256i m = _mm256_and_si256(_mm256_mullo_epi16(b, times[h]), _mm256_set1_epi16(255));
+        const __m256i q = _mm256_mulhi_epu16(m, _mm256_set1_epi16(768)); /* the digit, 0 to 2 */
+        for (int j = 0; j < 2; j++) {
+            const __m128i part = j ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+            w[2 * h + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(part)), d, minus);
+        }
+    }
+}
+
 /* Group g of a super-block as float32 in w[0..3], to the values the gguf package's float32
- * dequantization gives: Q4_K/Q5_K q * (d * sc) - dmin * m with one rounding (d * sc and q * (d *
- * sc) are exact: 11 + 6 + 5 bits), Q2_K likewise (11 + 4 + 2 bits), Q6_K (d * scale) * (q - 32),
- * Q3_K (d * (s - 32)) * q and IQ4_XS (d * (s - 32)) * NL[q], exact (at most 11 + 8 + 6 bits).
+ * dequantization gives: TQ2_0 d * (q - 1), exact (q - 1 is -1, 0 or 1); Q4_K/Q5_K q * (d * sc) -
+ * dmin * m with one rounding (d * sc and q * (d * sc) are exact: 11 + 6 + 5 bits), Q2_K likewise
+ * (11 + 4 + 2 bits), Q6_K (d * scale) * (q - 32), Q3_K (d * (s - 32)) * q and IQ4_XS
+ * (d * (s - 32)) * NL[q], exact (at most 11 + 8 + 6 bits).
  * g is 2 * index + part (Q4_K, Q5_K: the pair of groups sharing their quants' bytes, low nibbles
- * then high; IQ4_XS likewise) or 4 * index + part (Q6_K, Q3_K, Q2_K: the half of the super-block,
- * then the group in it); part is a constant, so that every shift is. */
+ * then high; IQ4_XS likewise), 4 * index + part (Q6_K, Q3_K, Q2_K, TQ2_0: the half of the
+ * super-block, then the group in it); part is a constant, so that every shift is. */
 static inline __attribute__((always_inline)) void widen_group(
     const uint8_t *block, const int64_t index, const int part, const int type, const super_scales *s, __m256 w[4])
 {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    if (type == TYPE_Q2_K || type == TYPE_Q3_K) { /* group 4 * index + part, two bits at 2 * part */
+    if (type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_TQ2_0) { /* group 4 * index + part, */
+        /* two bits at 2 * part */
         const int64_t g = 4 * index + part;
-        const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + (type == TYPE_Q3_K ? 32 : 16) + 32 * index));
+        const int64_t at = type == TYPE_Q3_K ? 32 : type == TYPE_Q2_K ? 16 : 0;
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(block + at + 32 * index));
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * part), _mm256_set1_epi8(3));
         if (type == TYPE_Q3_K) { /* q - 4, but q where bit g of hmask[j] is set */
             const __m256i bit = _mm256_set1_epi8((char)(1 << g));
@@ -581,11 +690,33 @@ static inline __m256 round_bf16(__m256 v)
 }
 
 /* The block's 32 weights as float32 in w[0..3]: each d * q + m (Q4_1, Q5_1), d * q - 8d (Q4_0),
- * d * q - 16d (Q5_0), d * q (Q8_0) or d * NL[q] (IQ4_NL) with one rounding, as dequantizing in
- * float32 gives them (d * q is exact), or the 16-bit floats (F16, BF16) widened exactly; with `bf16`, rounded on to
- * bfloat16, as a bfloat16 copy of the dequantized weight holds them. (Super-blocks: widen_group.) */
-static inline __attribute__((always_inline)) void widen(const uint8_t *block, const int type, const int bf16, __m256 w[4])
+ * d * q - 16d (Q5_0), d * q (Q8_0), d * NL[q] (IQ4_NL) or d * FP4[q] (MXFP4) with one rounding, as
+ * dequantizing in float32 gives them (d * q is exact), or the 16-bit floats (F16, BF16) widened
+ * exactly; with `bf16`, rounded on to bfloat16, as a bfloat16 copy of the dequantized weight holds
+ * them. NVFP4: `block` is its 64-weight block and `half` says which 32. (Super-blocks: widen_group.) */
+static inline __attribute__((always_inline)) void widen(
+    const uint8_t *block, const int64_t half, const int type, const int bf16, __m256 w[4])
 {
+    if (type == TYPE_MXFP4 || type == TYPE_NVFP4) {
+        const uint8_t *q = block + (type == TYPE_MXFP4 ? 1 : 4 + 16 * half);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)q), nibble = _mm_set1_epi8(0x0f);
+        const __m128i low = fp4_levels(_mm_and_si128(packed, nibble));
+        const __m128i high = fp4_levels(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+        __m256 scale[4];
+        if (type == TYPE_MXFP4) { /* the low nibbles are weights 0-15, the high ones 16-31 */
+            halves_to_floats(low, high, 1, w);
+            scale[0] = scale[1] = scale[2] = scale[3] = _mm256_set1_ps(e8m0_half(block[0]));
+        } else { /* 8 bytes a 16: their low nibbles, then their high ones */
+            halves_to_floats(_mm_unpacklo_epi64(low, high), _mm_unpackhi_epi64(low, high), 1, w);
+            scale[0] = scale[1] = _mm256_broadcast_ss(e4m3_halves + block[2 * half]);
+            scale[2] = scale[3] = _mm256_broadcast_ss(e4m3_halves + block[2 * half + 1]);
+        }
+        for (int j = 0; j < 4; j++) {
+            w[j] = _mm256_mul_ps(w[j], scale[j]);
+            if (bf16) w[j] = round_bf16(w[j]);
+        }
+        return;
+    }
     if (type == TYPE_BF16) { /* the high halves of float32s */
         for (int j = 0; j < 4; j++) {
             const __m128i halves = _mm_loadu_si128((const __m128i *)(block + 16 * j));
@@ -642,7 +773,8 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
 /* Runs BODY with `b` the index of each 32-weight group of a row of `blocks` groups and `w` its
  * weights widened (with `bf16`, rounded to bfloat16). A super-block's scales are worked out once
  * for its 8 groups, which come in runs that share their shifts' constants (GROUP): fours in Q6_K,
- * Q3_K and Q2_K, pairs in Q4_K, Q5_K and IQ4_XS; the codebook types' groups one at a time. */
+ * Q3_K, Q2_K and TQ2_0, pairs in Q4_K, Q5_K and IQ4_XS; the codebook types' and TQ1_0's groups one
+ * at a time. */
 #define FOR_EACH_GROUP(row, blocks, type, bf16, ...)                                                 \
     do {                                                                                             \
         if (super_blocks(type)) {                                                                    \
@@ -650,17 +782,20 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
                 const uint8_t *block = (row) + (first >> 3) * block_bytes(type);                     \
                 super_scales scales;                                                                 \
                 prepare_super(block, type, &scales);                                                 \
-                if (codebook(type)) { /* one copy of the loop: no shifts to share, and each  */   \
-                    /* unrolled copy of a codebook group would lengthen the build */                 \
+                if (codebook(type) || type == TYPE_TQ1_0) { /* one copy of the loop: no shifts */  \
+                    /* to share, and each unrolled copy of such a group would lengthen the build */  \
                     _Pragma("GCC unroll 1") for (int64_t g = 0; g < 8; g++) {                        \
                         const int64_t b = first + g;                                                 \
                         __m256 w[4];                                                                 \
-                        widen_codebook_group(block, g, type, &scales, w);                            \
+                        if (type == TYPE_TQ1_0)                                                      \
+                            widen_tq1_group(block, g, &scales, w);                                   \
+                        else                                                                         \
+                            widen_codebook_group(block, g, type, &scales, w);                        \
                         if (bf16)                                                                    \
                             for (int j = 0; j < 4; j++) w[j] = round_bf16(w[j]);                     \
                         __VA_ARGS__                                                                  \
                     }                                                                                \
-                } else if (type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K) {            \
+                } else if (type == TYPE_Q6_K || type == TYPE_Q3_K || type == TYPE_Q2_K || type == TYPE_TQ2_0) { \
                     for (int64_t index = 0; index < 2; index++) {                                    \
                         GROUP(4, 0, __VA_ARGS__)                                                     \
                         GROUP(4, 1, __VA_ARGS__)                                                     \
@@ -677,7 +812,10 @@ static inline __attribute__((always_inline)) void widen(const uint8_t *block, co
         } else {                                                                                     \
             for (int64_t b = 0; b < (blocks); b++) {                                                 \
                 __m256 w[4];                                                                         \
-                widen((row) + b * block_bytes(type), type, bf16, w);                                 \
+                if (type == TYPE_NVFP4) /* two groups of 32 a block */                                \
+                    widen((row) + (b >> 1) * block_bytes(type), b & 1, type, bf16, w);              \
+                else                                                                                 \
+                    widen((row) + b * block_bytes(type), 0, type, bf16, w);                          \
                 __VA_ARGS__                                                                          \
             }                                                                                        \
         }                                                                                            \
