@@ -39,8 +39,8 @@ SHAPES = {
     "down": (HIDDEN, FFN),
 }
 TYPES = ["Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K"]
-# Random blocks: the IQ2 types and IQ3_XXS have no writer here, and writing the others' blocks
-# for a 1B-class layer (a search over their codebooks) would take minutes.
+# Random blocks: writing the codebook types' blocks for a 1B-class layer (a search over their
+# codebooks) would take minutes.
 TYPES += ["IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S"]
 TYPES += ["MXFP4", "NVFP4", "TQ2_0", "TQ1_0"]
 

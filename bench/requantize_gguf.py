@@ -5,11 +5,11 @@
 Every metadata key and every other tensor (norms, the embedding) is copied as stored; each
 `blk.N.*.weight` matrix is dequantized by the gguf package and quantized again to `--type`:
 - Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, TQ1_0, TQ2_0 and MXFP4 by the gguf package;
-- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ1_S, IQ1_M and NVFP4 by
-  bench/k_quants.py (the gguf package reads them but cannot write them). A super-block holds 256
-  weights; like llama.cpp's quantizer, rows of another length (SmolLM2-135M's 576) fall back:
-  Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and Q8_0, Q2_K, Q3_K, IQ4_XS, IQ3_S, IQ1_S and IQ1_M to
-  IQ4_NL, TQ1_0 and TQ2_0 to Q4_0. So a small model's "K-quant" file is mostly such blocks;
+- Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, the codebook types (IQ1_S, IQ1_M, IQ2_XXS,
+  IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and NVFP4 by bench/k_quants.py (the gguf package reads them but
+  cannot write them). A super-block holds 256 weights; like llama.cpp's quantizer, rows of another
+  length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and Q8_0, Q2_K, Q3_K,
+  IQ4_XS and the codebook types to IQ4_NL, TQ1_0 and TQ2_0 to Q4_0. So a small model's "K-quant" file is mostly such blocks;
   SmolLM2's ffn_down rows (1536) are the super-block ones. The ternary types make no sense of a
   model not trained for them: their files are for speed and memory, not for text.
 - Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
@@ -38,7 +38,8 @@ from scheduler.model_files import find_default_model
 
 TYPES = (
     *("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "IQ4_NL"),
-    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ1_S", "IQ1_M"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"),
+    *("IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M"),
     *("TQ1_0", "TQ2_0", "MXFP4", "NVFP4"),
     *("Q4_K_M", "Q3_K_M"),
 )
@@ -51,6 +52,10 @@ FALLBACK = {
     "Q3_K": "IQ4_NL",
     "IQ4_XS": "IQ4_NL",
     "IQ3_S": "IQ4_NL",
+    "IQ3_XXS": "IQ4_NL",
+    "IQ2_S": "IQ4_NL",
+    "IQ2_XS": "IQ4_NL",
+    "IQ2_XXS": "IQ4_NL",
     "IQ1_S": "IQ4_NL",
     "IQ1_M": "IQ4_NL",
     "TQ1_0": "Q4_0",

@@ -34,7 +34,11 @@ from kernels.cpu_block_linear import (
     F16,
     IQ1_M,
     IQ1_S,
+    IQ2_S,
+    IQ2_XS,
+    IQ2_XXS,
     IQ3_S,
+    IQ3_XXS,
     IQ4_NL,
     IQ4_XS,
     MXFP4,
@@ -114,6 +118,10 @@ BITS = {
     IQ1_S: 1,
     IQ1_M: 1,
     NVFP4: 4,
+    IQ2_XXS: 2,
+    IQ2_XS: 2,
+    IQ2_S: 2,
+    IQ3_XXS: 2,  # 3.06 bits, but its 256 rows hold few of the 4096 fours of its 8 values
 }
 
 
@@ -141,7 +149,7 @@ def test_written_blocks_hold_the_weight_they_were_written_from(type_: int) -> No
     with pytest.raises(ValueError, match="weight"):
         k_quants.quantize(dense[:, :300], TYPE_NAMES[type_])
     with pytest.raises(ValueError, match="type_name"):
-        k_quants.quantize(dense, "IQ2_XS")
+        k_quants.quantize(dense, "MXFP4")  # the gguf package's to write (write_blocks)
 
 
 def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
@@ -170,6 +178,12 @@ def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
         "Q3_K": "IQ4_NL",
         "IQ4_XS": "IQ4_NL",
         "IQ3_S": "IQ4_NL",
+        "IQ3_XXS": "IQ4_NL",
+        "IQ2_S": "IQ4_NL",
+        "IQ2_XS": "IQ4_NL",
+        "IQ2_XXS": "IQ4_NL",
+        "TQ1_0": "Q4_0",
+        "TQ2_0": "Q4_0",
         "IQ1_S": "IQ4_NL",
         "IQ1_M": "IQ4_NL",
         "Q4_K": "Q5_0",
@@ -179,7 +193,8 @@ def test_requantized_files_take_llama_cpps_types_and_fallbacks() -> None:
     for type_name, fallback in fallbacks.items():
         assert matrix_type(type_name, "attn_q", 0, 30, 576) == fallback
         assert matrix_type(type_name, "attn_q", 0, 30, 512) == type_name
-    assert matrix_type("IQ4_NL", "attn_q", 0, 30, 576) == "IQ4_NL"  # blocks of 32: no fallback
+    for type_name in ("IQ4_NL", "MXFP4", "NVFP4"):  # blocks of 32 and 64: no fallback
+        assert matrix_type(type_name, "attn_q", 0, 30, 576) == type_name
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
