@@ -9,9 +9,10 @@ Every metadata key and every other tensor (norms, the embedding) is copied as st
   IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) and NVFP4 by bench/k_quants.py (the gguf package reads them but
   cannot write them). A super-block holds 256 weights; like llama.cpp's quantizer, rows of another
   length (SmolLM2-135M's 576) fall back: Q4_K, Q5_K and Q6_K to Q5_0, Q5_1 and Q8_0, Q2_K, Q3_K,
-  IQ4_XS and the codebook types to IQ4_NL, TQ1_0 and TQ2_0 to Q4_0. So a small model's "K-quant" file is mostly such blocks;
-  SmolLM2's ffn_down rows (1536) are the super-block ones. The ternary types make no sense of a
-  model not trained for them: their files are for speed and memory, not for text.
+  IQ4_XS and the codebook types to IQ4_NL, TQ1_0 and TQ2_0 to Q4_0. So a small model's
+  "K-quant" file is mostly such blocks; SmolLM2's ffn_down rows (1536) are the super-block ones.
+  The ternary types make no sense of a model not trained for them: their files are for speed and
+  memory, not for text.
 - Q4_K_M, the mix llama.cpp names so: Q4_K, with attn_v and ffn_down in Q6_K in the layers it
   gives more bits (the first and last eighth of the layers, and every third one between).
 - Q3_K_M, likewise: Q3_K, with attn_output in Q4_K, attn_v in Q5_K in the first two layers and
