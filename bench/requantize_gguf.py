@@ -98,25 +98,23 @@ def requantize(
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type)
     layers = 1 + max((int(m[1]) for t in reader.tensors if (m := LAYER_MATRIX.fullmatch(t.name))), default=0)
+    pick = choose or functools.partial(matrix_type, type_name)
     counts: dict[str, int] = {}
     for tensor in reader.tensors:
         matrix = LAYER_MATRIX.fullmatch(tensor.name)
+        chosen = None
         if matrix and len(tensor.shape) == 2:
-            k = int(tensor.shape[0])
-            pick = choose or functools.partial(matrix_type, type_name)
-            chosen = pick(matrix[2], int(matrix[1]), layers, k)
-            if chosen is None:
-                writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
-                continue
-            dense = np.ascontiguousarray(
-                gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
-            )
-            counts[chosen] = counts.get(chosen, 0) + 1
-            writer.add_tensor(
-                tensor.name, k_quants.write_blocks(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]
-            )
-        else:
+            chosen = pick(matrix[2], int(matrix[1]), layers, int(tensor.shape[0]))  # shape[0]: k
+        if chosen is None:  # not a layer matrix, or one kept as stored
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+            continue
+        dense = np.ascontiguousarray(
+            gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32
+        )
+        counts[chosen] = counts.get(chosen, 0) + 1
+        writer.add_tensor(
+            tensor.name, k_quants.write_blocks(dense, chosen), raw_dtype=gguf.GGMLQuantizationType[chosen]
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
