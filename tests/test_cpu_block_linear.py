@@ -561,6 +561,27 @@ def test_gguf_k_quant_and_iq4_weights_are_blocks(tmp_path: Path) -> None:
         assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(dense.shape)))
 
 
+def assert_file_blocks_hold_their_values(
+    path: Path, written: dict[str, tuple[str, np.ndarray]], shapes: dict[str, tuple[int, int]]
+) -> None:
+    """`written` (GGUF name → type name, blocks' bytes) in a GGUF file at `path` come back from
+    load_block_weights as blocks of their type and shape, with the values the gguf package
+    dequantizes them to, and multiply on the kernel (where there is one) as those values."""
+    blocks = load_block_weights(gguf_of(path, written), None)  # type: ignore[arg-type]
+    assert set(blocks) == {hf_name(name) for name in written}
+    kernel = block_kernel()
+    for gguf_name, (type_name, raw) in written.items():
+        block, shape = blocks[hf_name(gguf_name)], shapes[gguf_name]
+        assert (block.type_name, block.n, block.k) == (type_name, *shape)
+        want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
+        if kernel is not None:
+            x = torch.randn(3, shape[1])
+            torch.testing.assert_close(
+                kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
+            )
+
+
 def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
     """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S tensors of a GGUF file come as
     blocks, with the values the gguf package dequantizes them to, and multiply on the kernel as
@@ -576,23 +597,11 @@ def test_gguf_codebook_weights_are_blocks(tmp_path: Path) -> None:
         "blk.1.ffn_down.weight": "IQ1_M",
     }
     shape = (64, 512)
-    raw = {
-        name: k_quants.random_codebook_blocks(type_name, *shape, rng) for name, type_name in stored.items()
+    written = {
+        name: (type_name, k_quants.random_codebook_blocks(type_name, *shape, rng))
+        for name, type_name in stored.items()
     }
-    written = {name: (type_name, raw[name]) for name, type_name in stored.items()}
-    blocks = load_block_weights(gguf_of(tmp_path / "iq.gguf", written), None)  # type: ignore[arg-type]
-    assert set(blocks) == {hf_name(name) for name in stored}
-    x = torch.randn(3, shape[1])
-    kernel = block_kernel()
-    for gguf_name in stored:
-        block = blocks[hf_name(gguf_name)]
-        assert (block.type_name, block.n, block.k) == (stored[gguf_name], *shape)
-        want = gguf.quants.dequantize(raw[gguf_name], gguf.GGMLQuantizationType[stored[gguf_name]])
-        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
-        if kernel is not None:
-            torch.testing.assert_close(
-                kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
-            )
+    assert_file_blocks_hold_their_values(tmp_path / "iq.gguf", written, dict.fromkeys(stored, shape))
 
 
 def test_gguf_ternary_and_fp4_weights_are_blocks(tmp_path: Path) -> None:
@@ -610,19 +619,8 @@ def test_gguf_ternary_and_fp4_weights_are_blocks(tmp_path: Path) -> None:
         name: (type_name, k_quants.write_blocks(rng.standard_normal(shape, dtype=np.float32), type_name))
         for name, (type_name, shape) in stored.items()
     }
-    blocks = load_block_weights(gguf_of(tmp_path / "tq.gguf", written), None)  # type: ignore[arg-type]
-    assert set(blocks) == {hf_name(name) for name in stored}
-    kernel = block_kernel()
-    for gguf_name, (type_name, shape) in stored.items():
-        block = blocks[hf_name(gguf_name)]
-        assert (block.type_name, block.n, block.k) == (type_name, *shape)
-        want = gguf.quants.dequantize(written[gguf_name][1], gguf.GGMLQuantizationType[type_name])
-        assert torch.equal(block.dequantize(), torch.from_numpy(want.reshape(shape)))
-        if kernel is not None:
-            x = torch.randn(3, shape[1])
-            torch.testing.assert_close(
-                kernel(x, block).double(), x.double() @ block.dequantize().double().T, rtol=1e-5, atol=1e-5
-            )
+    shapes = {name: shape for name, (_, shape) in stored.items()}
+    assert_file_blocks_hold_their_values(tmp_path / "tq.gguf", written, shapes)
 
 
 def test_a_bfloat16_linear_multiplies_on_itself_with_self_blocks(kernel: BlockLinear) -> None:

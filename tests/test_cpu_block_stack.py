@@ -411,6 +411,26 @@ def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
     assert choose("auto", torch.float32, config, blocks, CPU) == every
 
 
+def worker_loaded(
+    path: Path, config: ModelConfig, kernel: BlockLinear | None, dense_weights: str
+) -> LlamaModel:
+    """The model as the worker loads it in float32 (load_weights), the block build having given
+    `kernel`."""
+    settings = worker.WorkerConfig(
+        model=str(path), scheduler_address="ipc:///unused", dense_weights=dense_weights
+    )
+    built: Future[BlockLinear | None] = Future()
+    built.set_result(kernel)
+    return worker.load_weights(settings, config, torch.float32, CPU, built)
+
+
+def dequantized_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
+    """The model on load_model's float32 tensors, dequantized by the gguf package."""
+    model = LlamaModel(config, torch.float32, CPU)
+    model.load_weights(dict(weights))
+    return model
+
+
 @pytest.mark.parametrize("dense_weights", ["keep", "drop"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no-kernel"])
 def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
@@ -424,12 +444,7 @@ def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
     the file's dequantized values bit for bit, whether the kernel widened them or numpy did."""
     if kernel and block_kernel() is None:
         pytest.skip("no block linear kernel on this CPU")
-    config = worker.WorkerConfig(
-        model=str(find_default_model()), scheduler_address="ipc:///unused", dense_weights=dense_weights
-    )
-    built: Future[BlockLinear | None] = Future()
-    built.set_result(block_kernel() if kernel else None)
-    model = worker.load_weights(config, smollm2[0], torch.float32, CPU, built)
+    model = worker_loaded(find_default_model(), smollm2[0], block_kernel() if kernel else None, dense_weights)
     linears = model.linears()
     if kernel and dense_weights == "drop":
         assert model.block_linears == len(linears)
@@ -439,8 +454,7 @@ def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
     assert model.block_linears == (len(linears) if kernel else 0) and not any(
         lin.weight.is_meta for lin in linears
     )
-    dense = LlamaModel(smollm2[0], torch.float32, CPU)
-    dense.load_weights(dict(smollm2[1]))  # load_model's float32 tensors, dequantized by the gguf package
+    dense = dequantized_model(smollm2[0], smollm2[1])
     assert len(linears) == len(dense.linears())
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(linears, dense.linears(), strict=True))
     assert torch.equal(model.embed_tokens, dense.embed_tokens)
@@ -474,11 +488,7 @@ def test_the_worker_widens_ternary_and_fp4_weights_to_their_values(tmp_path: Pat
         "TQ1_0",
         "TQ2_0",
     }
-    built: Future[BlockLinear | None] = Future()
-    built.set_result(kernel)
-    settings = worker.WorkerConfig(model=str(path), scheduler_address="ipc:///unused", dense_weights="keep")
-    model = worker.load_weights(settings, config, torch.float32, CPU, built)
+    model = worker_loaded(path, config, kernel, "keep")
     assert model.block_linears == len(model.linears())
-    dense = LlamaModel(config, torch.float32, CPU)
-    dense.load_weights(dict(weights))
+    dense = dequantized_model(config, weights)
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.linears(), dense.linears(), strict=True))
