@@ -247,14 +247,13 @@ def test_changing_an_included_source_rebuilds_the_stack(
 
     sources = tmp_path / "cpu"
     shutil.copytree(cpu_build.SOURCES, sources)
-    monkeypatch.setattr(cpu_build, "SOURCES", sources)
     monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
     defines = {"HEAD_DIM": 16, "GROUP": 2, "BLOCK": 8, "ELEM_BF16": 1}
-    before = cpu_build.build("decode_stack.c", defines)
-    assert cpu_build.build("decode_stack.c", defines) == before  # cached
+    before = cpu_build.build("decode_stack.c", defines, sources)
+    assert cpu_build.build("decode_stack.c", defines, sources) == before  # cached
     included = sources / "fused_ops.c"
     included.write_text(included.read_text() + "\n/* changed */\n")
-    after = cpu_build.build("decode_stack.c", defines)
+    after = cpu_build.build("decode_stack.c", defines, sources)
     assert after != before and after.exists()
 
 

@@ -138,7 +138,7 @@ def test_smollm2_decodes_alike_with_and_without_the_pair_kernel(monkeypatch: pyt
 
     # Without the kernel these steps would go to oneDNN with the SiLU fused into the multiply
     # (tests/test_gate_up_linear.py), which rounds the MLP otherwise: compare the linears alone.
-    monkeypatch.setattr(gpu_worker.linear, "_post_ops", [False])
+    monkeypatch.setattr(gpu_worker.linear, "_post_ops", {torch.float32: False, torch.bfloat16: False})
     config, weights = load_model(find_default_model())
     logits = []
     for dtype, own in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)):

@@ -96,7 +96,7 @@ def test_the_whole_projection_is_still_there(rows: int) -> None:
 
 
 def test_without_the_post_ops_onednn_steps_take_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear, "_post_ops", [False])
+    monkeypatch.setattr(linear, "_post_ops", {torch.float32: False, torch.bfloat16: False})
     lin = GateUpLinear(weights(0), packed=True, pair=pair_kernel())
     x = inputs(100, 0)
     assert torch.equal(lin.silu_and_mul(x, fused_op), fused_op(lin(x)))

@@ -54,7 +54,9 @@ def test_streams_resume_on_a_replacement_worker_without_losing_or_repeating_toke
         assert others == [solo]
         resumed = next(t for t in arrivals if t > killed)
         log = server.log()
-        assert re.search(r"the worker was lost: no heartbeat", log), log[-3000:]
+        # The heartbeat times out after 2 s; a replacement that says Hello sooner is noticed first.
+        lost = r"the worker was lost: (no heartbeat|worker 0 \(pid \d+\) connected in its place)"
+        assert re.search(lost, log), log[-3000:]
         assert "replacement worker ready" in log and "restarting it in" in log
         assert worker_process(server).pid != old_worker.pid
         assert resumed - killed < 120
