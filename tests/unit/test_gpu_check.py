@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -41,3 +43,27 @@ def test_gpu_check_installs_the_projects_dependencies_with_their_bounds() -> Non
     runtime = {name_of(r) for r in stated("dependencies")} - {"torch"}
     assert runtime <= {name_of(r) for r in installed}
     assert "transformers>=4.45,<5.25" in installed  # the release after it breaks the parity tests
+
+
+def test_every_server_config_and_test_path_it_names_is_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU machine is lent for minutes: a flag renamed or a test file moved since the script
+    was written would fail there, not here. Each --configs entry must parse as `duoserve serve`
+    flags, and each path handed to pytest must exist."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # bench/serving.py imports its neighbours
+    from bench.serving import ServerConfig
+    from scheduler.cli import build_parser
+
+    script = (REPO / "bench" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    serving = re.search(r"bench/serving\.py (.*?)--json", script, re.S)
+    assert serving, "gpu_check.sh runs no bench/serving.py"
+    configs = re.findall(r'"(dtype=[^"]+)"', serving[1])
+    assert len(configs) >= 5 and "dtype=bfloat16,no-sbo" in configs
+    parser = build_parser({})
+    for text in configs:
+        config = ServerConfig.parse(text)
+        args = parser.parse_args(["serve", "--dtype", config.dtype, *config.flags])
+        assert args.command == "serve", text
+    paths = re.findall(r"\b(tests/[\w/]+(?:\.py)?)", script)
+    assert "tests/kernels" in paths and "tests/test_cuda_pipeline.py" in paths
+    for path in paths:
+        assert (REPO / path).exists(), path
