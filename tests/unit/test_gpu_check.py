@@ -67,3 +67,24 @@ def test_every_server_config_and_test_path_it_names_is_current(monkeypatch: pyte
     assert "tests/kernels" in paths and "tests/test_cuda_pipeline.py" in paths
     for path in paths:
         assert (REPO / path).exists(), path
+
+
+def test_each_pytest_step_it_runs_collects_tests() -> None:
+    """A step whose -k matches nothing would exit 5 on the GPU machine: each collects some here."""
+    import shlex
+    import sys
+
+    script = (REPO / "bench" / "gpu_check.sh").read_text()
+    steps = re.findall(r'^run (tests-[\w-]+) \d+ "\$\{PYTEST\[@\]\}" (.+)$', script, re.M)
+    assert {name for name, _ in steps} >= {"tests-kernels", "tests-gpu", "tests-e2e"}
+    for name, args in steps:
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+        done = subprocess.run(
+            [*command, "--collect-only", *shlex.split(args)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        collected = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)
+        assert done.returncode == 0 and collected and int(collected[1]) > 0, (name, done.stdout[-2000:])
