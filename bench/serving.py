@@ -615,6 +615,23 @@ def resolve_sizes(args: argparse.Namespace) -> None:
         args.model = default_gguf()
 
 
+def cpu_description() -> dict[str, Any]:
+    """What /proc/cpuinfo says of the CPU that the figures depend on: its model, and which of the
+    instruction sets the kernels choose between it has (results from different CPUs do not compare)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model_name": fields.get("model name", platform.processor()),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "has": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     parser = build_parser()
@@ -727,6 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "python": platform.python_version(),
                 "machine": platform.machine(),
                 "cpus": os.cpu_count(),
+                "cpu": cpu_description(),
             },
             "models": infos,
             "runs": [dataclasses.asdict(s) for s in summaries],

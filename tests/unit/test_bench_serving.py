@@ -65,3 +65,12 @@ def test_bad_rounds_are_refused_naming_the_flag(
         serving.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_json_names_the_cpu_and_the_instruction_sets_the_kernels_choose_between() -> None:
+    from kernels.cpu_build import cpu_has
+
+    described = serving.cpu_description()
+    assert described["model_name"]
+    known = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    assert described["has"] == [flag for flag in known if cpu_has(flag)]
