@@ -30,6 +30,7 @@ import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import gguf
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, build, cpu_has, load
+from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load
 
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
@@ -301,7 +302,11 @@ _DEQUANTIZE_ARGTYPES: list[Any] = [
 
 class BlockLinear:
     """The loaded kernel; call it with float32 or bfloat16 x and a `BlockWeight` or `BlockRows`. The
-    library of the other element type than the one loaded is built on its first call."""
+    library of the other element type than the one loaded is built on its first call. With
+    `library` (from `open_library`), x in that library's element type multiplies on it."""
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        self.library = library
 
     def __call__(self, x: torch.Tensor, weight: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
         require(
@@ -335,7 +340,7 @@ class BlockLinear:
         self, x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None, out: torch.Tensor, first: int
     ) -> None:
         """out[:, first : first + weight.n] = x @ weight.T (+ bias)."""
-        status = _entry(x.dtype)(
+        status = _entry(x.dtype, self.library)(
             x.data_ptr(),
             x.stride(0),
             weight.blocks.data_ptr(),
@@ -367,30 +372,39 @@ class BlockLinear:
         return out
 
 
-def _entry(dtype: torch.dtype) -> Callable[..., int]:
-    """The kernel's C function for x in `dtype`, from its library (built, or found in the cache)."""
-    library = _library(dtype)
-    return library.duoserve_block_linear_bf16 if dtype == torch.bfloat16 else library.duoserve_block_linear
+def _entry(dtype: torch.dtype, library: ctypes.CDLL | None = None) -> Callable[..., int]:
+    """The kernel's C function for x in `dtype`: from `library` where it is that element type's
+    build, else from this tree's (built, or found in the cache)."""
+    name = "duoserve_block_linear_bf16" if dtype == torch.bfloat16 else "duoserve_block_linear"
+    if library is None or not hasattr(library, name):
+        library = _library(dtype)
+    return getattr(library, name)  # type: ignore[no-any-return]
 
 
 def _library(dtype: torch.dtype) -> ctypes.CDLL:
-    """The library built for x in `dtype`, its codebooks handed over and its entries typed."""
+    """This tree's library for x in `dtype`, opened once."""
     with _lock:
         if dtype not in _loaded:
-            library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}))
-            tables = codebook_tables()
-            library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)
-            library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))
-            if dtype == torch.bfloat16:
-                entry = library.duoserve_block_linear_bf16
-            else:
-                entry = library.duoserve_block_linear
-                library.duoserve_block_dequantize.restype = ctypes.c_int
-                library.duoserve_block_dequantize.argtypes = _DEQUANTIZE_ARGTYPES
-            entry.restype = ctypes.c_int
-            entry.argtypes = _ARGTYPES
-            _loaded[dtype] = library
+            _loaded[dtype] = open_library(dtype)
         return _loaded[dtype]
+
+
+def open_library(dtype: torch.dtype, sources: Path = SOURCES) -> ctypes.CDLL:
+    """The library built from `sources` (another revision's kernels/cpu, for a benchmark's A/B)
+    for x in `dtype`, its codebooks handed over and its entries typed."""
+    library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}, sources))
+    tables = codebook_tables()
+    library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)
+    library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))
+    if dtype == torch.bfloat16:
+        entry = library.duoserve_block_linear_bf16
+    else:
+        entry = library.duoserve_block_linear
+        library.duoserve_block_dequantize.restype = ctypes.c_int
+        library.duoserve_block_dequantize.argtypes = _DEQUANTIZE_ARGTYPES
+    entry.restype = ctypes.c_int
+    entry.argtypes = _ARGTYPES
+    return library
 
 
 def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
@@ -463,6 +477,7 @@ __all__ = [
     "codebook_tables",
     "concat_rows",
     "load_block_linear",
+    "open_library",
     "row_bytes",
     "weights_per_block",
 ]

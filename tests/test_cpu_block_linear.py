@@ -59,6 +59,7 @@ from kernels.cpu_block_linear import (
     KernelBuildError,
     concat_rows,
     load_block_linear,
+    open_library,
     row_bytes,
     weights_per_block,
 )
@@ -648,3 +649,34 @@ def test_the_worker_path_loads_it_here() -> None:
     # x86-64 CPUs of the last decade have AVX2, FMA and F16C; CI's do.
     if all(cpu_has(flag) for flag in ("avx2", "fma", "f16c")):
         assert block_kernel() is not None
+
+
+def test_a_kernel_bound_to_a_library_from_other_sources_multiplies_on_it(
+    kernel: BlockLinear, tmp_path: Path
+) -> None:
+    """bench/block_linear_ab.py's two kernels: a library opened from a copy of the sources (an
+    unchanged one, so the cached build) gives this tree's bits, and every float32 product goes
+    through it; x in bfloat16, which that build has no entry for, takes this tree's library."""
+    import shutil
+
+    from kernels import cpu_build
+
+    sources = tmp_path / "cpu"
+    shutil.copytree(cpu_build.SOURCES, sources)
+    library = open_library(torch.float32, sources)
+    calls = []
+
+    class Recording:  # the library, counting the calls that reach its float32 entry
+        def __getattr__(self, name: str) -> object:
+            function = getattr(library, name)
+            if name != "duoserve_block_linear":
+                return function
+            return lambda *args: calls.append(args) or function(*args)
+
+    theirs = BlockLinear(Recording())  # type: ignore[arg-type]
+    weight = block_weight(Q4_1, 40, 256, seed=5)
+    x = torch.randn(3, 256)
+    assert torch.equal(theirs(x, weight), kernel(x, weight))
+    assert len(calls) == 1
+    assert torch.equal(theirs(x.bfloat16(), weight), kernel(x.bfloat16(), weight))
+    assert len(calls) == 1
