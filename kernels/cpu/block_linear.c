@@ -731,8 +731,18 @@ static inline __attribute__((always_inline)) void widen(
         }
         return;
     }
-    const float d = half_to_float(block);
-    const __m256 scale = _mm256_set1_ps(d);
+    const int with_min = type == TYPE_Q4_1 || type == TYPE_Q5_1;
+    __m256 scale, add;
+    if (with_min) { /* d and m side by side: one load, one conversion, each broadcast from its lane */
+        const __m128 both = _mm_cvtph_ps(_mm_loadu_si32(block));
+        scale = _mm256_broadcastss_ps(both);
+        add = _mm256_broadcastss_ps(_mm_movehdup_ps(both));
+    } else { /* d broadcast as a half, then converted: no trip through a general register */
+        uint16_t bits;
+        __builtin_memcpy(&bits, block, 2);
+        scale = _mm256_cvtph_ps(_mm_set1_epi16((short)bits));
+        add = _mm256_mul_ps(scale, _mm256_set1_ps(type == TYPE_Q5_0 ? -16.0f : -8.0f)); /* exact */
+    }
     const uint8_t *q = block + quants_at(type);
     if (type == TYPE_Q8_0) {
         for (int j = 0; j < 4; j++) {
@@ -750,8 +760,6 @@ static inline __attribute__((always_inline)) void widen(
         }
         return;
     }
-    const int with_min = type == TYPE_Q4_1 || type == TYPE_Q5_1;
-    const __m256 add = _mm256_set1_ps(with_min ? half_to_float(block + 2) : (type == TYPE_Q5_0 ? -16.0f : -8.0f) * d);
     const __m128i packed = _mm_loadu_si128((const __m128i *)q);
     const __m128i low_mask = _mm_set1_epi8(0x0f);
     __m128i low = _mm_and_si128(packed, low_mask);
