@@ -7,7 +7,8 @@ Both libraries are built (or found in the kernel cache) from their own kernels/c
 four linears and the LM head, every weight streamed once a pass, as a decode step does. The two
 take turns, the order swapped each repeat, so a slow stretch of the machine falls on both; it
 prints each one's median and interquartile range and the ratio of the medians, and says whether
-their outputs are the same bits.
+their outputs are the same bits. The other revision's library is opened as this tree's would be,
+so its C entries must take the same arguments (true since the codebook types came in).
 """
 
 from __future__ import annotations
