@@ -8,7 +8,7 @@ four linears and the LM head, every weight streamed once a pass, as a decode ste
 take turns, the order swapped each repeat, so a slow stretch of the machine falls on both; it
 prints each one's median and interquartile range and the ratio of the medians, and says whether
 their outputs are the same bits. The other revision's library is opened as this tree's would be,
-so its C entries must take the same arguments (true since the codebook types came in).
+so its C entries must take the same arguments as this tree's, its codebook tables included.
 """
 
 from __future__ import annotations
