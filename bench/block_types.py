@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import k_quants
 from gpu_worker.linear import Linear, block_kernel, packed_linear_available
-from kernels.cpu_block_linear import BlockWeight
+from kernels.block_weights import BlockWeight
 
 HIDDEN, KV, FFN = 2048, 512, 8192
 SHAPES = {

@@ -31,7 +31,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from kernels.cpu_block_linear import (
+from kernels.block_weights import (
     BLOCK_BYTES,
     CODEBOOKS,
     IQ4_NL,
@@ -39,9 +39,9 @@ from kernels.cpu_block_linear import (
     K_QUANTS,
     NVFP4,
     TYPE_NAMES,
-    codebook_tables,
     weights_per_block,
 )
+from kernels.cpu_block_linear import codebook_tables
 
 WRITTEN = (*K_QUANTS, IQ4_XS, IQ4_NL, *CODEBOOKS, NVFP4)  # the types `quantize` writes
 SUPER = weights_per_block(K_QUANTS[0])

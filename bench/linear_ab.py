@@ -32,7 +32,7 @@ from gpu_worker.linear import PACKING_BATCH_HINT, Linear, block_kernel, cpu_mult
 from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel
 from kernels import cpu_pair_linear
-from kernels.cpu_block_linear import BlockWeight
+from kernels.block_weights import BlockWeight
 from scheduler.model_files import find_default_model
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_block_linear, cpu_pair_linear
-from kernels.cpu_block_linear import BF16, BlockLinear, Blocks, BlockWeight, load_block_linear
+from kernels.block_weights import BF16, Blocks, BlockWeight
+from kernels.cpu_block_linear import BlockLinear, load_block_linear
 from kernels.cpu_build import cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.cpu_block_linear import BLOCK_BYTES, DENSE_TYPES, BlockWeight
+from kernels.block_weights import BLOCK_BYTES, DENSE_TYPES, BlockWeight
 from scheduler.gguf_file import GGUFFile, read_gguf
 
 _GGUF_ARCHITECTURES = ("llama",)

@@ -48,7 +48,8 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting
-from kernels.cpu_block_linear import BlockLinear, BlockWeight
+from kernels.block_weights import BlockWeight
+from kernels.cpu_block_linear import BlockLinear
 from kernels.cpu_build import AMX
 from kernels.cpu_decode import VECTOR_PATHS, KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops

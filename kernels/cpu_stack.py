@@ -33,7 +33,8 @@ import torch
 
 from kernels import cpu_pair_linear
 from kernels._launch import require
-from kernels.cpu_block_linear import BlockRows, Blocks, block_linear_entry
+from kernels.block_weights import BlockRows, Blocks
+from kernels.cpu_block_linear import block_linear_entry
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
 

@@ -26,11 +26,10 @@ from gpu_worker.linear import (
     packed_linear_available,
 )
 from gpu_worker.loader import load_block_weights, load_model
-from kernels.cpu_block_linear import (
+from kernels.block_weights import (
     BF16,
     BLOCK_BYTES,
     CODEBOOKS,
-    DTYPES,
     F16,
     IQ1_M,
     IQ1_S,
@@ -53,16 +52,13 @@ from kernels.cpu_block_linear import (
     Q8_0,
     TERNARY,
     TYPE_NAMES,
-    BlockLinear,
     BlockRows,
     BlockWeight,
-    KernelBuildError,
     concat_rows,
-    load_block_linear,
-    open_library,
     row_bytes,
     weights_per_block,
 )
+from kernels.cpu_block_linear import DTYPES, BlockLinear, KernelBuildError, load_block_linear, open_library
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 

@@ -22,7 +22,8 @@ from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloa
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.worker import make_attention
-from kernels.cpu_block_linear import BF16, Q8_0, BlockLinear, BlockRows, BlockWeight
+from kernels.block_weights import BF16, Q8_0, BlockRows, BlockWeight
+from kernels.cpu_block_linear import BlockLinear
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
