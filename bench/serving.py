@@ -48,6 +48,7 @@ from workloads import (
 )
 
 from duoserve_client import AsyncClient, Client, DuoserveError
+from kernels.cpu_build import cpu_has
 
 QUICK = {"num_requests": 8, "input_len": 64, "output_len": 16, "hf_batch": 8}
 FULL = {"num_requests": 64, "input_len": 256, "output_len": 128, "hf_batch": 64}
@@ -617,18 +618,18 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 def cpu_description() -> dict[str, Any]:
     """What /proc/cpuinfo says of the CPU that the figures depend on: its model, and which of the
-    instruction sets the kernels choose between it has (results from different CPUs do not compare)."""
+    instruction sets the kernels choose between it has, as the kernels themselves read them
+    (`cpu_has`). Results from different CPUs do not compare."""
     fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
     return {
         "model_name": fields.get("model name", platform.processor()),
         "family": fields.get("cpu family"),
         "model": fields.get("model"),
-        "has": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+        "has": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if cpu_has(f)],
     }
 
 
