@@ -4,6 +4,15 @@ Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim], conti
 is block s // block_size, offset s % block_size. Query head h reads KV head h // G, G =
 num_heads // num_kv_heads. A step writes its own K/V into the cache first (kernels.fused_ops.write_kv),
 so both kernels read every key, cached prefix and new tokens alike, from the cache.
+
+Every number that changes from step to step (table width, tokens per split, split count) is a
+runtime argument that Triton does not specialize on, and so are the metadata arrays (block
+tables, context lengths, query starts), which a step's prefills read from a row into the step's
+own. Specialized, each new integer class (1, a multiple of 16, other), split count or pointer
+alignment would compile a kernel variant the first time a step met it, tenths of a second on a
+GPU in the latency of that step's requests. The split and prefill kernels compile once, in the
+worker's warm-up; the reduce kernel once per power of two it pads the splits to (six at most),
+which the capture of the decode graphs meets.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from kernels.cpu_decode import paged_decode_attention_reference as cpu_decode_re
 DECODE_TILE = 64  # keys per iteration of the decode kernel (several blocks gathered at once)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "max_blocks", "tokens_per_split"])
 def _decode_split_kernel(
     q_ptr,  # [N, H, D]
     k_cache_ptr,  # [num_blocks, BS, Hkv, D]
@@ -44,7 +53,6 @@ def _decode_split_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # keys per iteration, gathered from TILE / BLOCK_SIZE blocks
-    NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,  # the group's query heads times the keys on the tensor cores
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -100,7 +108,7 @@ def _decode_split_kernel(
             acc = acc * rescale[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
         running_max = block_max
 
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [G]
+    part = (seq * NUM_HEADS + heads) * tl.num_programs(2) + split  # [G]: the grid's third axis is the splits
     tl.store(part_max_ptr + part, running_max, mask=group_ok)
     tl.store(part_sum_ptr + part, running_sum, mask=group_ok)
     tl.store(
@@ -108,24 +116,24 @@ def _decode_split_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_out_ptr,
     out_ptr,  # [N, H, D]
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    split_ok = splits < NUM_SPLITS
-    base = (seq * NUM_HEADS + head) * NUM_SPLITS
+    split_ok = splits < num_splits
+    base = (seq * NUM_HEADS + head) * num_splits
     maxes = tl.load(part_max_ptr + base + splits, mask=split_ok, other=-float("inf"))
     sums = tl.load(part_sum_ptr + base + splits, mask=split_ok, other=0.0)
     parts = tl.load(
@@ -223,7 +231,6 @@ def paged_decode_attention(
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
         TILE=max(block_size, DECODE_TILE),
-        NUM_SPLITS=num_splits,
         USE_DOT=use_dot,
         DOT_FP32=dot_in_fp32(),
         PRECISION=dot_precision(q.dtype),
@@ -233,10 +240,10 @@ def paged_decode_attention(
         part_sum,
         part_out,
         out,
+        num_splits,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        NUM_SPLITS=num_splits,
         SPLITS_PAD=max(2, next_power_of_2(num_splits)),
     )
     return out
@@ -249,7 +256,7 @@ paged_decode_attention_reference = cpu_decode_reference
 # ------------------------------------------------------------------------------------ prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_tables_ptr", "query_start_ptr", "context_lens_ptr", "max_blocks"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,

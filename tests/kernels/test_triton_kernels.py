@@ -6,6 +6,8 @@ tests/conftest.py), on a GPU on the device: the same tests, the GPU subset of `m
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 
 import pytest
@@ -26,6 +28,10 @@ from kernels.fused_ops import (
     write_kv_reference,
 )
 from kernels.paged_attention import (
+    _decode_reduce_kernel,
+    _decode_split_kernel,
+    _prefill_kernel,
+    decode_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
     paged_prefill_attention,
@@ -144,6 +150,94 @@ def test_prefill_attention_matches_reference_over_mixed_chunks(
         q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), query_start.cpu(), lens.cpu()
     )
     assert_close(out, expected, dtype)
+
+
+# ------------------------------------------------------------------------------------ compiles
+
+ATTENTION_KERNELS = [_decode_split_kernel, _decode_reduce_kernel, _prefill_kernel]
+METADATA_POINTERS = {"block_tables_ptr", "context_lens_ptr", "query_start_ptr"}
+
+
+def unspecialized(kernel: object) -> set[str]:
+    """The arguments Triton compiles no variants for: from the JIT function's parameters on a GPU,
+    from the interpreter's copy of the decorator's arguments on the CPU."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    return set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS, ids=lambda k: k.fn.__name__)
+def test_attention_kernels_take_each_steps_numbers_unspecialized(kernel: object) -> None:
+    # Every runtime integer (not a pointer, not the float scale) changes from step to step: the
+    # table width, tokens per split, the split count. So does where the metadata arrays start: a
+    # step's prefills read theirs from a row into the step's. Specialized, each new value class
+    # or alignment would compile a variant in the middle of serving.
+    fn = kernel.fn  # type: ignore[attr-defined]
+    names = list(inspect.signature(fn).parameters)
+    annotations = fn.__annotations__
+    per_step = {
+        name
+        for name in names
+        if (
+            not name.endswith("_ptr")
+            and name != "scale"
+            and "constexpr" not in str(annotations.get(name, ""))
+        )
+        or name in METADATA_POINTERS
+    }
+    assert per_step, f"{fn.__name__} has no per-step arguments to check"
+    assert per_step <= unspecialized(kernel), (
+        f"{fn.__name__}: specialized on {per_step - unspecialized(kernel)}"
+    )
+    assert not any(name.removeprefix("NUM_") == "SPLITS" for name in names), "a split count as a constexpr"
+
+
+def compiled_variants(kernel: object) -> int:
+    """How many variants the JIT function has compiled, over every device (Triton keeps one cache
+    of compiled kernels per device, the first item of its entry)."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+def test_steps_of_any_size_reuse_the_attention_kernels_compiled_for_the_first() -> None:
+    # The steps a server meets: batch sizes 1 to 64, contexts from 1 token to thousands, block
+    # tables 1, 16, 17 and 250 blocks wide, split counts from 1 to 64. The split and prefill
+    # kernels compile once; the reduce once per power of two of splits it pads to.
+    b, kv_heads, group, head_dim = 16, 3, 3, 64
+    dtype = torch.bfloat16
+    shapes = [(1, 1), (3, 40), (2, 16 * b), (5, 17 * b - 3), (64, 700), (1, 250 * b)]
+    paddings = set()
+    before = [compiled_variants(k) for k in ATTENTION_KERNELS]
+    for num_seqs, context in shapes:
+        lengths = [max(1, context - i) for i in range(num_seqs)]
+        k_cache, v_cache, tables = random_cache(lengths, b, kv_heads, head_dim, dtype, seed=num_seqs)
+        tables = tables[:, : -(-context // b)].contiguous()  # exactly as wide as the longest
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        q = torch.randn(num_seqs, kv_heads * group, head_dim, device=DEVICE, dtype=dtype)
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, context)
+        programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = decode_splits(context, b, num_seqs, kv_heads, programs)
+        paddings.add(max(2, 1 << (splits - 1).bit_length()))
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+        q_all = torch.randn(int(starts[-1]), kv_heads * group, head_dim, device=DEVICE, dtype=dtype)
+        paged_prefill_attention(q_all, k_cache, v_cache, tables, starts, lens, max(lengths))
+        # A step's prefills behind its decodes: their metadata starts a row into the batch's.
+        skip = min(1, num_seqs - 1)
+        paged_prefill_attention(
+            q_all[lengths[0] :] if skip else q_all,
+            k_cache,
+            v_cache,
+            tables[skip:],
+            starts[skip:] - starts[skip],
+            lens[skip:],
+            max(lengths),
+        )
+    torch.cuda.synchronize()
+    added = [compiled_variants(k) - n for k, n in zip(ATTENTION_KERNELS, before, strict=True)]
+    assert len(paddings) > 2, f"the shapes took only split paddings {paddings}"
+    assert added[0] <= 1 and added[2] <= 1, f"variants compiled (split, reduce, prefill): {added}"
+    assert added[1] <= len(paddings), f"reduce variants {added[1]} for paddings {sorted(paddings)}"
 
 
 # ------------------------------------------------------------------------------------ KV write
