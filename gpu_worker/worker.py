@@ -297,17 +297,25 @@ def make_attention(
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:
-    """One prefill and two decodes through the whole step path, the second one forecast on the CPU
-    (gpu_worker/forecast.py), so the first request pays no start-up cost.
+    """One prefill, two decodes (the second forecast on the CPU, gpu_worker/forecast.py) and a decode
+    with a new prompt's chunk behind it, through the whole step path, so the first requests pay no
+    start-up cost: each kernel a step of these kinds runs is built, compiled or loaded here. On a
+    GPU the mixed step launches the prefill kernel on metadata that starts a row into the step's
+    arrays, as serving does. The first sequence samples greedily, as most requests do, and the
+    second draws with temperature, top-k and top-p, so both of the sampler's paths run.
 
     Everything goes to block 0, so even a one-block pool warms up; requests overwrite it later.
     """
     prompt = np.arange(1, block_size, dtype="<i4")  # block_size - 1 tokens, then two decodes
+    block_0 = np.zeros(1, dtype="<i4").tobytes()
+    greedy = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
+    drawn = worker_pb2.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.0, seed=0)
     prefill = worker_pb2.NewSequence(
         seq_id=0,
+        sampling=greedy,
         token_ids=prompt.tobytes(),
         prompt_len=len(prompt),
-        block_ids=np.zeros(1, dtype="<i4").tobytes(),
+        block_ids=block_0,
         num_new_tokens=len(prompt),
     )
     runner.run(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
@@ -316,6 +324,17 @@ def warm_up(runner: ModelRunner, block_size: int) -> None:
         staged = runner.stage(worker_pb2.Step(step_id=step_id, running=running))
         runner.forecast(staged)
         runner.run(staged)
+    behind = prompt[:3]
+    chunk = worker_pb2.NewSequence(
+        seq_id=1,
+        sampling=drawn,
+        token_ids=behind.tobytes(),
+        prompt_len=len(behind),
+        block_ids=block_0,
+        num_new_tokens=len(behind),
+    )
+    running = pack_running([RunningEntry(0, len(prompt) + 2, 1, ())])
+    runner.run(runner.stage(worker_pb2.Step(step_id=3, running=running, new_sequences=[chunk])))
     runner.forget_all()
 
 
