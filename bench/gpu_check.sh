@@ -113,6 +113,8 @@ if serving.exists():
         if worker.get("staging"):
             extra += (f", staging {worker['staging']:.2f} s, {worker.get('exposed_staging', 0.0) / worker['staging']:.0%} "
                       f"exposed, worker idle {worker.get('wait', 0.0):.2f} s")
+        if run.get("extra", {}).get("triton_compiles"):
+            extra += f", {run['extra']['triton_compiles']} Triton compiles during the run"
         print(f"| {run['engine']} {run['config']} {run['workload']} {run['mode']} | "
               f"{run['output_tok_s']:.1f} out tok/s{extra} |")
 PY

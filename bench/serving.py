@@ -341,6 +341,15 @@ def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dic
     return delta
 
 
+def triton_compiled_kernels() -> int:
+    """Kernel variants in Triton's disk cache on this machine (TRITON_CACHE_DIR, else
+    ~/.triton/cache): one metadata file each, beside the group files Triton also writes there."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return 0
+    return sum(1 for path in root.glob("*/*.json") if not path.name.startswith("__grp__"))
+
+
 def bench_server(
     target: str,
     label: str,
@@ -351,7 +360,9 @@ def bench_server(
     server_pid: int | None = None,
 ) -> tuple[list[RunSummary], dict[str, Any], dict[str, list[list[int]]]]:
     """Every workload x mode against one server; also its ModelInfo (with the workers' resident
-    memory after the runs, for a server launched here) and the offline outputs."""
+    memory after the runs, for a server launched here) and the offline outputs. For a server
+    launched here each run also counts the Triton kernels compiled while it ran: its worker's
+    warm-up should have compiled all it needs, and a compile costs its requests tenths of a second."""
     with Client(target) as client:
         info = dataclasses.asdict(client.list_models()[0])
         if args.warmup:
@@ -364,10 +375,16 @@ def bench_server(
             mode = "offline" if rate is None else f"poisson@{rate:g}/s"
             requests = build_requests(prompts, specs[name].output_len, rate, args.seed)
             before = worker_seconds(metrics_url)
+            compiled = triton_compiled_kernels()
             results = asyncio.run(run_duoserve(target, requests, args.request_timeout))
             summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
             print_rows(summaries[-1:])
             summaries[-1].extra["worker_seconds"] = print_worker_split(before, worker_seconds(metrics_url))
+            if server_pid is not None:
+                compiles = triton_compiled_kernels() - compiled
+                summaries[-1].extra["triton_compiles"] = compiles
+                if compiles:
+                    print(f"#   Triton compiled {compiles} kernel variant(s) during this run", flush=True)
             if rate is None:
                 outputs[name] = [r.token_ids for r in results]
     if server_pid is not None:

@@ -81,3 +81,21 @@ def test_the_json_names_the_cpu_and_the_instruction_sets_the_kernels_choose_betw
     assert (described["family"], described["model"]) == (first.get("cpu family"), first.get("model"))
     known = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
     assert described["has"] == [flag for flag in known if flag in flags]
+
+
+def test_triton_compiles_are_counted_from_the_cache_one_metadata_file_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Triton's cache as it lays a compiled kernel out: a folder per hash, holding the metadata
+    # file and the binaries, and a group file (named __grp__) in a folder of its own.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert serving.triton_compiled_kernels() == 0  # no cache yet
+    for n, name in enumerate(["_prefill_kernel", "_prefill_kernel", "_decode_reduce_kernel"]):
+        folder = tmp_path / "cache" / f"hash{n}"
+        folder.mkdir(parents=True)
+        (folder / f"{name}.json").write_text("{}")
+        (folder / f"{name}.cubin").write_bytes(b"")
+        group = tmp_path / "cache" / f"group{n}"
+        group.mkdir()
+        (group / f"__grp__{name}.json").write_text("{}")
+    assert serving.triton_compiled_kernels() == 3
