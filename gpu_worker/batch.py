@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from gpu_worker.streams import to_device
+
 Upload = Callable[[np.ndarray, torch.dtype], torch.Tensor]
 """Moves one host array to the step's device as `dtype` (default: a plain copy; the CUDA SBO
 pipeline passes gpu_worker.streams.DeviceUpload, which copies from pinned memory on its data stream)."""
@@ -42,11 +44,21 @@ class LateInputs:
     token_lists: list[list[int]]  # each row's sequence's tokens, appended to as they are sampled
     positions: list[int]  # each row's input: token_lists[i][positions[i]]
 
+    def ready(self) -> bool:
+        """Whether the steps in front have appended every token these rows read."""
+        return all(
+            position < len(tokens) for tokens, position in zip(self.token_lists, self.positions, strict=True)
+        )
+
     def write(self, input_ids: torch.Tensor) -> None:
-        ids = input_ids.numpy()  # [T] int64, on the host
+        """Fill the rows of `input_ids` ([T] int64) in, wherever it is: on a GPU one copy queued on
+        the current stream, which must be the step's compute stream, behind its inputs' upload."""
+        values = []
         for row, tokens, position in zip(self.rows, self.token_lists, self.positions, strict=True):
             assert position < len(tokens), f"batch row {row}: its input token {position} is not sampled yet"
-            ids[row] = tokens[position]
+            values.append(tokens[position])
+        device = input_ids.device
+        input_ids.index_copy_(0, to_device(self.rows, device), to_device(values, device))
 
 
 @dataclass(slots=True)

@@ -334,7 +334,9 @@ class StepPipeline:
     def _run_one_thread(self) -> None:
         """CUDA SBO without threads: launches return at once, so while the device computes step k
         this thread stages step k+1 (its inputs copied on the data stream) and launches it behind
-        step k. Right after launching a step that leaves a prompt unfinished it builds the next
+        step k. A lookahead step (the scheduler sends it while the step in front computes) whose
+        inputs are tokens a launched step samples waits for those tokens: the steps in front are
+        answered, the late inputs written in on the device, and it is launched. Right after launching a step that leaves a prompt unfinished it builds the next
         window on the host (ModelRunner.forecast), so that the window is only uploaded when the
         scheduler sends it. It answers each step as soon as its tokens are back, in order, and between
         messages it looks for them without blocking. At most `sbo_depth` steps are launched and
@@ -378,6 +380,10 @@ class StepPipeline:
                 timings.ready_at = math.inf  # the device computed all through staging
             elif busy:
                 timings.ready_at = item.arrived_at
+            late = item.staged.late  # a lookahead step: some inputs are tokens the steps in front sample
+            while late is not None and not late.ready() and launched:
+                launched[0].wait()
+                answer_finished()
             self._execute(item, timings, deliver)
             if not item.staged.urgent:
                 self.runner.forecast(item.staged)  # while the device computes it

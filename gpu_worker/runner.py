@@ -12,12 +12,16 @@ calls `finish`. Decode-only steps replay a CUDA graph when `graphs` has one.
 With lookahead (scheduler/planner.py) a sequence's next step may arrive, and be
 staged, before `finish` has appended the token its current step samples. Staging
 then leaves that decode's input id out (LateInputs) and `execute` writes it in
-just before the forward: on the CPU every pipeline finishes a step before it
-executes the next. Staging alone moves a sequence's computed and known counts and
-its block table, and `finish` alone appends its tokens, so the two never write the
-same field, whichever threads they run on. A GPU pipeline with SBO launches a step
-before the one in front has its tokens back, so it does not take lookahead steps
-(Ready.lookahead) and a late input there is a StepError.
+just before the forward (on a GPU, on the step's compute stream, into the inputs
+already uploaded). The pipeline finishes the steps in front before it executes a
+step with late inputs: on the CPU every pipeline finishes a step before it
+executes the next, and CUDA SBO in one thread waits for the tokens of the steps in
+front only then (StepPipeline). Staging alone moves a sequence's computed and known
+counts and its block table, and `finish` alone appends its tokens, so the two
+never write the same field, whichever threads they run on. `--sbo-threads` on a
+GPU finishes steps on a thread of its own, and with `--compute-streams` above 1 a
+prompt's next chunk could run beside the chunk whose K/V it reads, so neither
+takes lookahead steps (Ready.lookahead).
 """
 
 from __future__ import annotations
@@ -174,11 +178,8 @@ class ModelRunner:
         ready = None
         if taken is not None:
             batch, sampled, scheduled, spent = taken.batch, taken.sampled, taken.scheduled, taken.seconds
-            late = taken.late
+            late = taken.late  # written in by execute, on a GPU into the uploaded inputs
             if self.device.type != "cpu":  # forecasts are built on the host
-                if late is not None:  # no lookahead here: the step in front has finished
-                    late.write(batch.input_ids)
-                    late = None
                 batch, ready = self._upload(batch, step.lane)
         else:
             try:
@@ -292,11 +293,10 @@ class ModelRunner:
             needs_logits = end == state.num_known
             tokens = state.token_ids[state.num_computed : end]  # one read: finish may append meanwhile
             if len(tokens) < num_new:  # a step staged before this one samples its input
-                if num_new != 1 or self.device.type != "cpu":
+                if num_new != 1:
                     raise StepError(
                         f"step {step.step_id}: sequence {state.seq_id} needs token {len(state.token_ids)}, "
-                        "which a step still in progress samples (a lookahead step decodes one token, "
-                        "and only into a batch on the host: this worker does not take it)"
+                        "which a step still in progress samples (a lookahead step decodes one token)"
                     )
                 late.append((len(chunks), state, state.num_computed))
                 tokens = [0]
@@ -311,7 +311,7 @@ class ModelRunner:
             return batch, sampled, scheduled, _late_inputs(batch, late), None
         upload = DeviceUpload(self.streams, self.streams.for_lane(step.lane))
         batch = build_forward_batch(chunks, self.block_size, self.device, upload)
-        return batch, sampled, scheduled, None, upload.ready()
+        return batch, sampled, scheduled, _late_inputs(batch, late), upload.ready()
 
     @torch.inference_mode()
     def execute(self, staged: StagedStep, yield_point: Callable[[], None] | None = None) -> PendingStep:
@@ -320,8 +320,6 @@ class ModelRunner:
         pending = PendingStep(worker_pb2.StepResult(step_id=staged.step_id, lane=staged.lane))
         if staged.batch is None:
             return pending
-        if staged.late is not None:  # the steps in front have finished: their tokens are appended
-            staged.late.write(staged.batch.input_ids)
         slot = self.streams.slot_for_lane(staged.lane) if self.streams is not None else 0
         stream = self.streams.compute[slot] if self.streams is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -330,6 +328,8 @@ class ModelRunner:
                 pending.started.record(stream)
                 if staged.ready is not None:
                     stream.wait_event(staged.ready)
+            if staged.late is not None:  # the steps in front have finished: their tokens are appended
+                staged.late.write(staged.batch.input_ids)
             logits = self._forward(staged.batch, slot, yield_point)  # [S, vocab] in the model's dtype
             pending.sampled = staged.sampled
             pending.sampled_tokens = staged.sampled_tokens

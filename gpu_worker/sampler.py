@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_worker.streams import to_device
 from kernels.cpu_build import KernelBuildError
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 
@@ -111,13 +112,13 @@ class Sampler:
             chosen = self._draw(scores, rows)
         else:
             chosen = _argmax(scores)
-            index = _tensor(random_rows, logits.device)
+            index = to_device(random_rows, logits.device)
             picked = self._draw(scores.index_select(0, index), [rows[i] for i in random_rows])
             chosen = chosen.index_copy(0, index, picked)
         return chosen
 
     def _draw(self, scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [R] int64
-        temps = _tensor([r.params.temperature for r in rows], scores.device)
+        temps = to_device([r.params.temperature for r in rows], scores.device)
         weights = filtered_weights(scores / temps[:, None], [r.params for r in rows])  # [R, V]
         # Unnormalised on purpose: every weight is computed elementwise from the row's own scores,
         # so a seeded row's cdf has the same bits whatever else is in the batch.
@@ -172,7 +173,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         history = [(i, rows[i].prompt_token_ids) for i in rep] + [(i, rows[i].output_token_ids) for i in rep]
         seen = np.unique(_flat_indices(history, vocab))  # each occurring entry once
         penalty = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)[seen // vocab]
-        index, factor = _tensor(seen, scores.device), _tensor(penalty, scores.device)
+        index, factor = to_device(seen, scores.device), to_device(penalty, scores.device)
         values = flat[index]
         flat[index] = torch.where(values > 0, values / factor, values * factor)
     if additive:
@@ -182,10 +183,12 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         frequency = np.array([r.params.frequency_penalty for r in rows], dtype=np.float32)
         # presence once per distinct token, frequency once per occurrence
         flat.index_add_(
-            0, _tensor(distinct, scores.device), _tensor(-presence[distinct // vocab], scores.device)
+            0, to_device(distinct, scores.device), to_device(-presence[distinct // vocab], scores.device)
         )
         flat.index_add_(
-            0, _tensor(occurrences, scores.device), _tensor(-frequency[occurrences // vocab], scores.device)
+            0,
+            to_device(occurrences, scores.device),
+            to_device(-frequency[occurrences // vocab], scores.device),
         )
     return scores
 
@@ -202,19 +205,6 @@ def _flat_indices(lists: Sequence[tuple[int, Sequence[int]]], vocab: int) -> np.
     arrays = [np.asarray(ids, dtype=np.int64) for _, ids in lists]
     rows = np.repeat(np.array([row for row, _ in lists], dtype=np.int64), [a.size for a in arrays])
     return rows * vocab + np.concatenate([*arrays, np.empty(0, np.int64)])
-
-
-def _tensor(values: np.ndarray | Sequence[float] | Sequence[int], device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`; onto a GPU through pinned memory without waiting (a plain
-    host-to-device copy first waits for all the work queued on the stream)."""
-    host = (
-        torch.from_numpy(np.ascontiguousarray(values))
-        if isinstance(values, np.ndarray)
-        else torch.tensor(values)
-    )
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] → [R]
@@ -268,7 +258,7 @@ def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> 
     if any(p.min_p > 0 for p in params):
         # The best token weighs 1, so min_p is directly the weight threshold (relative, so
         # renormalisation after top-k/top-p does not matter).
-        min_p = _tensor([p.min_p for p in params], scores.device)
+        min_p = to_device([p.min_p for p in params], scores.device)
         weights = weights.masked_fill(weights < min_p[:, None], 0.0)
     return weights
 
@@ -304,12 +294,12 @@ def _top_k_top_p_keep(
 ) -> torch.Tensor:  # [Rk, K] bool
     device = top_scores.device
     rank = torch.arange(top_scores.shape[1], device=device)[None, :]  # [1, K]
-    keep = rank < _tensor(ks, device)[:, None]
+    keep = rank < to_device(ks, device)[:, None]
     if any(p < 1.0 for p in top_ps):
-        top_p = _tensor(top_ps, device)[:, None]  # [Rk, 1]
+        top_p = to_device(top_ps, device)[:, None]  # [Rk, 1]
         kept = top_scores.masked_fill(~keep, float("-inf"))
         # With top-k, top-p sees the distribution renormalised over the top-k survivors.
-        lse = torch.where(_tensor(has_top_k, device), kept.logsumexp(dim=-1), full_lse)
+        lse = torch.where(to_device(has_top_k, device), kept.logsumexp(dim=-1), full_lse)
         probs = (kept - lse[:, None]).exp()  # [Rk, K]
         mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
         keep &= mass_before < top_p  # always keeps rank 0
@@ -324,7 +314,7 @@ def compute_logprobs(
     out: list[TokenLogprobs | None] = [None] * len(params)
     if not wanted:
         return out
-    index = _tensor(wanted, logits.device)
+    index = to_device(wanted, logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, V] float32
     chosen_lp = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
     top_n = max(params[i].logprobs or 0 for i in wanted)

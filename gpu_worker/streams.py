@@ -12,8 +12,23 @@ that read it has completed (the allocator records an event on the copy), never b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+
+
+def to_device(values: np.ndarray | Sequence[float] | Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`; onto a GPU through pinned memory, queued on the current
+    stream without waiting (a plain host-to-device copy first waits for all the stream's work)."""
+    host = (
+        torch.from_numpy(np.ascontiguousarray(values))
+        if isinstance(values, np.ndarray)
+        else torch.tensor(values)
+    )
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class CudaStreams:

@@ -505,6 +505,8 @@ def _run(config: WorkerConfig) -> int:
             kernels - allocated,
             time.perf_counter() - kernels,
         )
+        # CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread.
+        one_thread = streams is not None and not config.sbo_threads
         ready = worker_pb2.Ready(
             worker_id=config.worker_id,
             model_name=model_config.name,
@@ -515,13 +517,13 @@ def _run(config: WorkerConfig) -> int:
             device=str(device),
             block_size=configure.block_size,
             num_blocks=num_blocks,
-            # A step's late inputs (ModelRunner.stage) are written in before its forward on the CPU;
-            # a GPU pipeline with SBO would launch the step before the token it needs is back.
-            lookahead=device.type == "cpu" or not sbo,
+            # A step's late inputs (ModelRunner.stage) are written in once the steps in front have
+            # appended their tokens: every pipeline waits for that but CUDA SBO on threads, which
+            # finishes steps on a thread of its own. On one compute stream a prompt's next chunk
+            # also queues behind the chunk in front, whose K/V it reads; on several it would not.
+            lookahead=streams is None or (one_thread and len(streams.compute) == 1),
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
-        # CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread.
-        one_thread = streams is not None and not config.sbo_threads
         log.info(
             "ready: %d KV blocks of %d tokens, %s attention, SBO %s, %s",
             num_blocks,

@@ -27,6 +27,9 @@ from tests.worker_steps import (
     assert_same_record,
     cpu_runner,
     decode_step,
+    drive_with_lookahead,
+    pipeline_thread,
+    plain_tokens,
     prompt_step,
     save_tiny_llama,
     tokens_of,
@@ -280,6 +283,43 @@ def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
         "step, staging, exposed: "
         f"{[(r.step_id, r.staging_seconds, r.exposed_staging_seconds) for r in results[:8]]}"
     )
+
+
+@pytest.mark.gpu
+def test_one_thread_cuda_sbo_takes_lookahead_steps_as_the_plain_runner_would(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    """The scheduler sends each decode while the step in front computes (lookahead, which CUDA SBO
+    in one thread takes): its input is the token that step samples. The pipeline answers the step
+    in front, writes the token into the uploaded inputs on the compute stream and replays the
+    decode graph: greedy tokens are the plain runner's."""
+    model, kv_cache = cuda_model(tiny)
+    device = torch.device("cuda")
+    expected = plain_tokens(ModelRunner(model, kv_cache, BLOCK_SIZE, device), decodes=12)
+    graphs = DecodeGraphs(model, kv_cache, BLOCK_SIZE, tiny[0].context_length, [1, 2, 4, 8])
+    graphs.capture()
+    runner = BusyDevice(  # each step a few milliseconds: the next one surely arrives meanwhile
+        model, kv_cache, BLOCK_SIZE, device, streams=CudaStreams(device, compute_streams=1), graphs=[graphs]
+    )
+    runner.busy_input = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()  # the compute stream reads it
+    runner.busy = []
+    late_steps = []
+    execute = runner.execute
+
+    def launch(staged: StagedStep, yield_point: object = None) -> PendingStep:
+        if staged.late is not None:
+            late_steps.append(staged.step_id)
+        return execute(staged, yield_point)  # type: ignore[arg-type]
+
+    runner.execute = launch  # type: ignore[method-assign]
+    with pipeline_thread(
+        lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=True)
+    ) as scheduler_side:
+        tokens, results = drive_with_lookahead(scheduler_side, decodes=12)
+    assert tokens == expected and len(results) == 13
+    assert graphs.replays == 12  # every decode step
+    assert len(late_steps) >= 10, f"only steps {late_steps} arrived before the step in front was answered"
 
 
 def windows_then_decodes(runner: ModelRunner, plain: ModelRunner, block_size: int) -> list[bool]:

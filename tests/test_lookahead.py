@@ -9,27 +9,25 @@ batches and the same tokens, through every way of staging (in full, and each for
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections import deque
 
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from gpu_worker.loader import ModelConfig
 from gpu_worker.pipeline import StepPipeline
-from gpu_worker.runner import ModelRunner, StagedStep, StepError
+from gpu_worker.runner import ModelRunner, PendingStep, StagedStep, StepError
 from protos import worker_pb2
 from protos.running import RunningEntry
 from tests.worker_steps import (
-    TWO_LANES,
     SchedulerScript,
     assert_same_record,
     cpu_runner,
-    decode_step,
+    drive_with_lookahead,
     pipeline_thread,
-    prompt_step,
+    plain_tokens,
     save_tiny_llama,
     tokens_of,
 )
@@ -107,14 +105,18 @@ def test_steps_staged_before_the_step_in_front_runs_compute_what_the_plain_runne
     assert both.ahead.seqs[5].num_computed == both.plain.seqs[5].num_computed == 24
 
 
-def test_a_runner_off_the_host_refuses_a_late_input() -> None:
-    """A GPU pipeline with SBO launches a step before the one in front has its tokens back, so it
-    takes no lookahead steps (Ready.lookahead); one that comes anyway is a StepError naming it."""
+def test_a_runner_off_the_host_leaves_a_late_input_for_execute() -> None:
+    """On a GPU the batch is uploaded while it is staged: the late row stays a placeholder there,
+    and execute writes the token in once the step in front has appended it (ready)."""
     off_host = ModelRunner(None, None, BLOCK_SIZE, torch.device("meta"))  # type: ignore[arg-type]
     script = SchedulerScript(BLOCK_SIZE)
     off_host.stage(script.prompt_step({1: 5}))
-    with pytest.raises(StepError, match="sequence 1 needs token 5, which a step still in progress samples"):
-        off_host.stage(script.step(script.decode_entries([1], ahead=1)))
+    staged = off_host.stage(script.step(script.decode_entries([1], ahead=1)))
+    assert staged.batch is not None and staged.batch.input_ids.device.type == "meta"
+    assert staged.late is not None and (staged.late.rows, staged.late.positions) == ([0], [5])
+    assert not staged.late.ready()
+    off_host.seqs[1].token_ids.append(7)  # what finish does with the step in front's token
+    assert staged.late.ready()
 
 
 def test_a_step_past_the_tokens_known_and_sampled_is_refused(
@@ -129,50 +131,6 @@ def test_a_step_past_the_tokens_known_and_sampled_is_refused(
 
 # ---------------------------------------------------------------------------------------------
 # Through a real pipeline on a socket
-
-
-def plain_tokens(runner: ModelRunner, decodes: int) -> dict[int, list[int]]:
-    """TWO_LANES' sequences in one lane, each step run before the next is staged."""
-    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
-    out: dict[int, list[int]] = {}
-    staged = runner.stage(prompt_step(1, seqs, vocab_size=256))
-    positions = {seq_id: length for seq_id, length, _ in seqs}
-    for step_id in range(2, decodes + 3):
-        for seq_id, token in tokens_of(runner.run(staged)).items():
-            out.setdefault(seq_id, []).append(token)
-        if step_id <= decodes + 1:
-            staged = runner.stage(decode_step(step_id, 0, positions))
-            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
-    return out
-
-
-def drive_with_lookahead(scheduler_side: zmq.Socket, decodes: int) -> tuple[dict, list]:
-    """As the scheduler drives one CPU lane with lookahead: the prompts, at once their decode, and
-    each next decode as soon as a result frees a place, so two steps are always in flight."""
-    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
-    step_ids = itertools.count(1)
-
-    def send(step: worker_pb2.Step) -> None:
-        scheduler_side.send(worker_pb2.SchedulerMessage(step=step).SerializeToString())
-
-    send(prompt_step(next(step_ids), seqs, vocab_size=256))
-    positions = {seq_id: length for seq_id, length, _ in seqs}  # where each next step starts
-    left, outstanding = decodes, 1
-    tokens: dict[int, list[int]] = {}
-    results: list[worker_pb2.StepResult] = []
-    while outstanding:
-        while left and outstanding < 2:
-            send(decode_step(next(step_ids), 0, positions))
-            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
-            left, outstanding = left - 1, outstanding + 1
-        assert scheduler_side.poll(30_000), "the pipeline stopped answering"
-        message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
-        assert message.WhichOneof("kind") == "result", message
-        results.append(message.result)
-        outstanding -= 1
-        for seq_id, token in tokens_of(message.result).items():
-            tokens.setdefault(seq_id, []).append(token)
-    return tokens, results
 
 
 @pytest.mark.parametrize("sbo", [True, False])
@@ -193,3 +151,48 @@ def test_the_pipeline_serves_a_lane_that_keeps_two_steps_in_flight(
     else:
         assert not any(r.forecast for r in decodes)
         assert all(r.exposed_staging_seconds == r.staging_seconds for r in decodes)
+
+
+class _TokensOnTheirWay:
+    """A CUDA event's stand-in on the CPU: the step's tokens count as on their way back for a while
+    after its launch, or until someone waits for them."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.perf_counter() + seconds
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def synchronize(self) -> None:
+        self.at = min(self.at, time.perf_counter())
+
+    def elapsed_time(self, _end: object) -> float:
+        return 0.0
+
+
+def test_one_thread_sbo_answers_the_steps_in_front_before_it_launches_a_lookahead_step(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    """CUDA SBO in one thread, on the CPU: each step's tokens are 'on their way' for 50 ms after it
+    is launched, as on a GPU whose copy back has not landed. A lookahead step arrives meanwhile,
+    its input the token the step in front samples: the pipeline answers that step first, then
+    writes the input in and launches. Decode steps are not forecast, as on a GPU."""
+    expected = plain_tokens(cpu_runner(tiny, "cpu", 16), decodes=12)
+    runner = cpu_runner(tiny, "cpu", 16)
+    runner.forecast = lambda staged: None  # type: ignore[method-assign]
+    execute = runner.execute
+    late_steps = []
+
+    def launch(staged: StagedStep, yield_point: object = None) -> PendingStep:
+        if staged.late is not None:
+            late_steps.append(staged.step_id)
+        pending = execute(staged, yield_point)  # type: ignore[arg-type]
+        pending.started = pending.done = _TokensOnTheirWay(0.05)  # type: ignore[assignment]
+        return pending
+
+    runner.execute = launch  # type: ignore[method-assign]
+    pipeline = lambda socket: StepPipeline(socket, runner, sbo=True, one_thread=True)  # noqa: E731
+    with pipeline_thread(pipeline) as scheduler_side:
+        tokens, results = drive_with_lookahead(scheduler_side, decodes=12)
+    assert tokens == expected and len(results) == 13
+    assert len(late_steps) >= 10, f"only steps {late_steps} took a late input"

@@ -297,3 +297,47 @@ class CountingRuns:
             return original(bound, *args, **kwargs)
 
         monkeypatch.setattr(BoundStack, "run", run)
+
+
+def plain_tokens(runner: ModelRunner, decodes: int) -> dict[int, list[int]]:
+    """TWO_LANES' sequences in one lane, each step run before the next is staged."""
+    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
+    out: dict[int, list[int]] = {}
+    staged = runner.stage(prompt_step(1, seqs, vocab_size=256))
+    positions = {seq_id: length for seq_id, length, _ in seqs}
+    for step_id in range(2, decodes + 3):
+        for seq_id, token in tokens_of(runner.run(staged)).items():
+            out.setdefault(seq_id, []).append(token)
+        if step_id <= decodes + 1:
+            staged = runner.stage(decode_step(step_id, 0, positions))
+            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
+    return out
+
+
+def drive_with_lookahead(scheduler_side: zmq.Socket, decodes: int) -> tuple[dict, list]:
+    """As the scheduler drives one lane with lookahead: the prompts, at once their decode, and
+    each next decode as soon as a result frees a place, so two steps are always in flight."""
+    seqs = [seq for lane in TWO_LANES.values() for seq in lane]
+    step_ids = itertools.count(1)
+
+    def send(step: worker_pb2.Step) -> None:
+        scheduler_side.send(worker_pb2.SchedulerMessage(step=step).SerializeToString())
+
+    send(prompt_step(next(step_ids), seqs, vocab_size=256))
+    positions = {seq_id: length for seq_id, length, _ in seqs}  # where each next step starts
+    left, outstanding = decodes, 1
+    tokens: dict[int, list[int]] = {}
+    results: list[worker_pb2.StepResult] = []
+    while outstanding:
+        while left and outstanding < 2:
+            send(decode_step(next(step_ids), 0, positions))
+            positions = {seq_id: position + 1 for seq_id, position in positions.items()}
+            left, outstanding = left - 1, outstanding + 1
+        assert scheduler_side.poll(30_000), "the pipeline stopped answering"
+        message = worker_pb2.WorkerMessage.FromString(scheduler_side.recv())
+        assert message.WhichOneof("kind") == "result", message
+        results.append(message.result)
+        outstanding -= 1
+        for seq_id, token in tokens_of(message.result).items():
+            tokens.setdefault(seq_id, []).append(token)
+    return tokens, results
