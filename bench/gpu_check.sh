@@ -12,9 +12,9 @@
 # 3. the decode-attention microbenchmark (kernel vs gather + SDPA, launched and graph-replayed,
 #    fraction of peak bandwidth);
 # 4. the end-to-end benchmark, 64 x 256 in x 128 out and one stream, on the default GPU config
-#    (SBO in one thread, CUDA graphs on, DBO on), then with SBO off, DBO off, two compute
-#    streams, SBO on threads (0.2 ms and Python's own 5 ms switch interval) and CUDA graphs
-#    off; transformers beside it.
+#    (SBO in one thread with lookahead, CUDA graphs on, DBO on), then with SBO off, lookahead
+#    off, DBO off, two compute streams, SBO on threads and CUDA graphs off; transformers beside
+#    it. Each run counts the Triton kernels compiled while it ran (the warm-up should leave none).
 #
 # GPU_CHECK_STEPS="tests-kernels bench-decode" runs a subset (the table covers every log under
 # $GPU_CHECK_OUT, so a check split over two runs on one machine still prints one table).
@@ -83,8 +83,8 @@ run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
 run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \
     --configs "dtype=bfloat16" "dtype=bfloat16,no-sbo" "dtype=bfloat16,max-inflight=1" \
-    "dtype=bfloat16,compute-streams=2" "dtype=bfloat16,sbo-threads" \
-    "dtype=bfloat16,sbo-threads,sbo-switch-interval-ms=5" "dtype=bfloat16,no-cuda-graphs" \
+    "dtype=bfloat16,no-lookahead" "dtype=bfloat16,compute-streams=2" "dtype=bfloat16,sbo-threads" \
+    "dtype=bfloat16,no-cuda-graphs" \
     --json "$OUT/serving.json"
 
 "$PY" - "$OUT" <<'PY'
