@@ -307,33 +307,29 @@ def warm_up(runner: ModelRunner, block_size: int) -> None:
     Everything goes to block 0, so even a one-block pool warms up; requests overwrite it later.
     """
     prompt = np.arange(1, block_size, dtype="<i4")  # block_size - 1 tokens, then two decodes
-    block_0 = np.zeros(1, dtype="<i4").tobytes()
+
+    def whole_prompt(
+        seq_id: int, tokens: np.ndarray, sampling: worker_pb2.SamplingParams
+    ) -> worker_pb2.NewSequence:
+        return worker_pb2.NewSequence(
+            seq_id=seq_id,
+            sampling=sampling,
+            token_ids=tokens.tobytes(),
+            prompt_len=len(tokens),
+            block_ids=np.zeros(1, dtype="<i4").tobytes(),
+            num_new_tokens=len(tokens),
+        )
+
     greedy = worker_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
     drawn = worker_pb2.SamplingParams(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.0, seed=0)
-    prefill = worker_pb2.NewSequence(
-        seq_id=0,
-        sampling=greedy,
-        token_ids=prompt.tobytes(),
-        prompt_len=len(prompt),
-        block_ids=block_0,
-        num_new_tokens=len(prompt),
-    )
-    runner.run(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[prefill])))
+    runner.run(runner.stage(worker_pb2.Step(step_id=0, new_sequences=[whole_prompt(0, prompt, greedy)])))
     for step_id, new_blocks in ((1, ()), (2, (0,))):  # the second decode starts a block: block 0 again
         running = pack_running([RunningEntry(0, len(prompt) + step_id - 1, 1, new_blocks)])
         staged = runner.stage(worker_pb2.Step(step_id=step_id, running=running))
         runner.forecast(staged)
         runner.run(staged)
-    behind = prompt[:3]
-    chunk = worker_pb2.NewSequence(
-        seq_id=1,
-        sampling=drawn,
-        token_ids=behind.tobytes(),
-        prompt_len=len(behind),
-        block_ids=block_0,
-        num_new_tokens=len(behind),
-    )
     running = pack_running([RunningEntry(0, len(prompt) + 2, 1, ())])
+    chunk = whole_prompt(1, prompt[:3], drawn)
     runner.run(runner.stage(worker_pb2.Step(step_id=3, running=running, new_sequences=[chunk])))
     runner.forget_all()
 
