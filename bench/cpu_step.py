@@ -35,7 +35,7 @@ from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import PACKING_BATCH_HINT, onednn_post_ops_available, pair_kernel
 from gpu_worker.loader import load_model
 from gpu_worker.model import DecoderLayer, LlamaModel
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels import cpu_pair_linear
 from scheduler.model_files import find_default_model
 

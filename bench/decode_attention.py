@@ -279,7 +279,7 @@ def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
     from gpu_worker.kv_cache import allocate_kv_cache
     from gpu_worker.loader import load_block_weights, load_model
     from gpu_worker.model import LlamaModel
-    from gpu_worker.worker import make_attention
+    from gpu_worker.startup import make_attention
     from kernels.cpu_decode import VECTOR_BITS, VECTOR_PATHS, load_cpu_decode_attention
     from kernels.cpu_stack import load_cpu_decode_stack
     from scheduler.model_files import find_default_model

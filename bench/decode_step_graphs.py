@@ -22,7 +22,7 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import load_model
 from gpu_worker.model import LlamaModel
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 
 
 def main() -> int:

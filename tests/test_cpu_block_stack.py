@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from bench.requantize_gguf import requantize
-from gpu_worker import worker
+from gpu_worker import startup
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
 from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16, packed_linear_available
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels.block_weights import BF16, Q8_0, BlockRows, BlockWeight
 from kernels.cpu_block_linear import BlockLinear
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
@@ -399,16 +400,16 @@ def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
     config, _, blocks = smollm2
     every = blocks_only_weights(config, blocks)
     assert len(every) == 7 * config.num_layers  # q, k, v, o, gate, up, down; not the tied head
-    choose = worker.choose_blocks_only
+    choose = startup.choose_blocks_only
     assert choose("keep", torch.float32, config, blocks, CPU) == set()
     assert choose("drop", torch.float32, config, blocks, CPU) == every
     assert choose("auto", torch.bfloat16, config, blocks, CPU) == every
     assert choose("auto", torch.float32, config, {}, CPU) == set()
     copies = 2 if packed_linear_available(torch.float32, CPU) else 1
     dense_bytes = copies * 4 * sum(weight.numel() for name, weight in smollm2[1].items() if name in every)
-    monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes)
+    monkeypatch.setattr(startup, "free_memory_bytes", lambda device: 4 * dense_bytes)
     assert choose("auto", torch.float32, config, blocks, CPU) == set()
-    monkeypatch.setattr(worker, "free_memory_bytes", lambda device: 4 * dense_bytes - 1)
+    monkeypatch.setattr(startup, "free_memory_bytes", lambda device: 4 * dense_bytes - 1)
     assert choose("auto", torch.float32, config, blocks, CPU) == every
 
 
@@ -417,12 +418,10 @@ def worker_loaded(
 ) -> LlamaModel:
     """The model as the worker loads it in float32 (load_weights), the block build having given
     `kernel`."""
-    settings = worker.WorkerConfig(
-        model=str(path), scheduler_address="ipc:///unused", dense_weights=dense_weights
-    )
+    settings = WorkerConfig(model=str(path), scheduler_address="ipc:///unused", dense_weights=dense_weights)
     built: Future[BlockLinear | None] = Future()
     built.set_result(kernel)
-    return worker.load_weights(settings, config, torch.float32, CPU, built)
+    return startup.load_weights(settings, config, torch.float32, CPU, built)
 
 
 def dequantized_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
@@ -439,7 +438,7 @@ def test_the_worker_loads_dense_copies_when_the_block_build_gives_no_kernel(
     kernel: bool,
     dense_weights: str,
 ) -> None:
-    """The worker reads the file's blocks while the block linear builds (gpu_worker/worker.py,
+    """The worker reads the file's blocks while the block linear builds (gpu_worker/startup.py,
     load_weights). With --dense-weights drop it skips the dense copies; if the build then gives
     no kernel, every linear must still get a dense copy, read afresh. The dense copies it holds are
     the file's dequantized values bit for bit, whether the kernel widened them or numpy did."""

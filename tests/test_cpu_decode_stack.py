@@ -16,7 +16,7 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
 from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels import cpu_pair_linear
 from kernels.cpu_stack import StackLayer, load_cpu_decode_stack
 from tests.cpu_features import has_avx512_bf16

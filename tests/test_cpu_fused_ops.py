@@ -11,7 +11,7 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from scheduler.model_files import find_default_model
 

@@ -19,8 +19,8 @@ from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
+from gpu_worker.startup import make_attention
 from gpu_worker.streams import CudaStreams
-from gpu_worker.worker import make_attention
 from tests.worker_steps import (
     TWO_LANES,
     SchedulerScript,

@@ -116,7 +116,7 @@ def test_a_tensor_with_a_value_that_is_not_finite_is_named(tmp_path: Path, value
 
 
 def test_tensors_read_elsewhere_fill_the_unread_ones_checked_as_read_ones(tmp_path: Path) -> None:
-    """The worker widens blocks into the dense copies load_model left unread (gpu_worker/worker.py)."""
+    """The worker widens blocks into the dense copies load_model left unread (gpu_worker/startup.py)."""
     written = _write_hf_dir(tmp_path)
     name = "model.layers.0.mlp.down_proj.weight"
     _, tensors = load_model(tmp_path, shape_only={name})

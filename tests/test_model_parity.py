@@ -17,7 +17,7 @@ from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16
 from gpu_worker.loader import ModelConfig, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels.cpu_block_linear import BlockLinear
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has

@@ -7,7 +7,7 @@ import torch
 
 from gpu_worker.loader import ModelConfig
 from gpu_worker.runner import PendingStep, StagedStep
-from gpu_worker.worker import warm_up
+from gpu_worker.startup import warm_up
 from tests.worker_steps import cpu_runner, save_tiny_llama
 
 

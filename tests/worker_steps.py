@@ -21,7 +21,7 @@ from gpu_worker.loader import ModelConfig, load_model
 from gpu_worker.model import LlamaModel
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
-from gpu_worker.worker import make_attention
+from gpu_worker.startup import make_attention
 from kernels.cpu_stack import BoundStack
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running

@@ -105,7 +105,7 @@ def test_a_worker_needs_an_authorized_key(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, "the refused workers never said Hello:\n" + logged(log)
                 time.sleep(0.5)
             # Neither got a Configure, so neither loaded the model.
-            assert "gpu_worker.worker: loaded" not in logged(log)
+            assert "gpu_worker.startup: loaded" not in logged(log)
             accepted = subprocess.Popen(
                 [
                     *worker_command,
