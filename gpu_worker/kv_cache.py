@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

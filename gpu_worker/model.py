@@ -17,7 +17,7 @@ from torch import nn
 from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import GateUpLinear, Linear, blocks_take, packed_linear_available, pair_kernel
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from kernels.block_weights import Blocks, BlockWeight, concat_rows
 from kernels.cpu_pair_linear import PairLinear
 from kernels.cpu_stack import BoundStack, StackLayer

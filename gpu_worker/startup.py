@@ -30,13 +30,9 @@ from gpu_worker.linear import (
     packed_linear_available,
     pair_kernel,
 )
-from gpu_worker.loader import (
-    ModelConfig,
-    fill_unread,
-    load_block_weights,
-    load_model,
-)
+from gpu_worker.loader import fill_unread, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
 from kernels._launch import interpreting

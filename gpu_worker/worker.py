@@ -24,7 +24,8 @@ import zmq
 from gpu_worker.config import CANNOT_START, WorkerConfig
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import block_kernel, blocks_take
-from gpu_worker.loader import ModelLoadError, load_config
+from gpu_worker.loader import load_config
+from gpu_worker.model_config import ModelLoadError
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.startup import (

@@ -20,8 +20,9 @@ from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
 from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16, packed_linear_available
-from gpu_worker.loader import ModelConfig, load_block_weights, load_model
+from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.startup import make_attention
 from kernels.block_weights import BF16, Q8_0, BlockRows, BlockWeight
 from kernels.cpu_block_linear import BlockLinear

@@ -14,8 +14,8 @@ import torch
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.startup import make_attention
 from kernels import cpu_pair_linear
 from kernels.cpu_stack import StackLayer, load_cpu_decode_stack

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from gpu_worker.attention import CpuPagedAttention, write_kv
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.loader import load_model
 from gpu_worker.model import LlamaModel, RMSNorm, apply_rope, rope_cos_sin
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.startup import make_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from scheduler.model_files import find_default_model

@@ -15,8 +15,8 @@ import torch
 from gpu_worker.batch import ScheduledChunk, build_forward_batch, upload_batch
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes, replayable
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig
 from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from gpu_worker.startup import make_attention

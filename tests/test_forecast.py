@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker import runner as runner_module
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import ModelRunner, StagedStep, StepError
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running

@@ -11,14 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.loader import (
-    ModelConfig,
-    ModelLoadError,
-    expected_shapes,
-    fill_unread,
-    load_config,
-    load_model,
-)
+from gpu_worker.loader import fill_unread, load_config, load_model
+from gpu_worker.model_config import ModelConfig, ModelLoadError, expected_shapes
 from scheduler.model_files import find_default_model
 
 TINY_HF_CONFIG = {

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep, StepError
 from protos import worker_pb2

@@ -15,8 +15,9 @@ from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16
-from gpu_worker.loader import ModelConfig, load_block_weights, load_model
+from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.startup import make_attention
 from kernels.cpu_block_linear import BlockLinear
 from scheduler.model_files import find_default_model

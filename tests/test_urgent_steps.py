@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner, PendingStep, StagedStep
 from protos import worker_pb2

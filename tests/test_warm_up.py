@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.loader import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import PendingStep, StagedStep
 from gpu_worker.startup import warm_up
 from tests.worker_steps import cpu_runner, save_tiny_llama

@@ -17,8 +17,9 @@ import torch
 import zmq
 
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.loader import ModelConfig, load_model
+from gpu_worker.loader import load_model
 from gpu_worker.model import LlamaModel
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.startup import make_attention

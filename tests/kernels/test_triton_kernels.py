@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from gpu_worker.loader import Llama3RopeScaling, ModelConfig
 from gpu_worker.model import rope_inv_freq
+from gpu_worker.model_config import Llama3RopeScaling, ModelConfig
 from kernels.fused_ops import (
     fused_add_rms_norm,
     fused_add_rms_norm_reference,
