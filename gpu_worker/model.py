@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import CpuPagedAttention, FusedOps, TorchPagedAttention, TritonPagedAttention
+from gpu_worker.attention import FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
 from gpu_worker.linear import GateUpLinear, Linear, blocks_take, packed_linear_available, pair_kernel
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.stack_binding import StackBinding
 from kernels.block_weights import Blocks, BlockWeight, concat_rows
 from kernels.cpu_pair_linear import PairLinear
-from kernels.cpu_stack import BoundStack, StackLayer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -241,9 +241,7 @@ class LlamaModel(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
         self.lm_head_linear = Linear(self.lm_head, None, packed=False)
-        # The decode stack bound to the KV caches it was bound for; None in its place: this model's
-        # linears have no pair-layout weights, so its decode steps take the per-op path.
-        self._bound_stack: tuple[tuple[object, int, int], BoundStack | None] | None = None
+        self.stack_binding = StackBinding()  # on the CPU backend, decode steps in one C call
 
     @property
     def attention_backend(self) -> str:
@@ -320,6 +318,9 @@ class LlamaModel(nn.Module):
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head), self_blocks)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
     def linears(self) -> list[Linear]:
         """Every linear: the LM head, then each layer's qkv, o, gate/up and down."""
         found = [self.lm_head_linear]
@@ -371,9 +372,9 @@ class LlamaModel(nn.Module):
         ops: FusedOps,
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor:  # [S, vocab]
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        layers = self.decoder_layers()
         x = layers[0].input_layernorm(residual)
-        stacked = self._run_decode_stack(layers, x, residual, batch, kv_caches, yield_point)
+        stacked = self.stack_binding.run(self, x, residual, batch, kv_caches, yield_point)
         if stacked is not None:
             x = stacked
         else:
@@ -385,105 +386,6 @@ class LlamaModel(nn.Module):
                 if yield_point is not None:
                     yield_point()
         return self.lm_head_linear(x.index_select(0, batch.logits_indices))
-
-    def stack_layers(
-        self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: bool
-    ) -> list[StackLayer] | None:
-        """Each decoder layer's tensors over these KV caches, as a decode stack binds them
-        (kernels/cpu_stack.py): with the linears' GGUF blocks (`blocks`) or their pair-layout
-        weights; None where a linear has none."""
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        norms = [layer.input_layernorm.weight for layer in layers[1:]] + [self.norm.weight]
-        found: list[StackLayer] = []
-        for layer, norm, (k_cache, v_cache) in zip(layers, norms, kv_caches, strict=True):
-            four = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-            pair = None if blocks else _pair_weights(*four)
-            block = _block_weights(*four) if blocks else None
-            if pair is None and block is None:
-                return None
-            found.append(
-                StackLayer(
-                    qkv_weight=layer.qkv_weight.detach(),
-                    qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.detach(),
-                    o_weight=layer.o_weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up_weight=layer.gate_up_weight.detach(),
-                    down_weight=layer.down_weight.detach(),
-                    next_norm=norm.detach(),
-                    k_cache=k_cache,
-                    v_cache=v_cache,
-                    pair_weights=pair or (),
-                    block_weights=block or (),
-                )
-            )
-        return found
-
-    def _run_decode_stack(
-        self,
-        layers: Sequence[DecoderLayer],
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        batch: ForwardBatch,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        yield_point: Callable[[], None] | None,
-    ) -> torch.Tensor | None:
-        """Every layer in one C call (kernels/cpu_stack.py) for a decode step on the CPU backend of
-        at most the stack's max_rows sequences: in bfloat16 with the pair-layout linears, or in
-        the model's dtype with GGUF blocks. None (nothing done) otherwise. The stack is bound to these KV
-        caches on first use."""
-        attention = self.attention
-        if (
-            not isinstance(attention, CpuPagedAttention)
-            or attention.decode_stack is None
-            or attention.fused_ops is None
-            or batch.decode is None
-            or batch.prefills
-        ):
-            return None
-        decode_stack = attention.decode_stack
-        if decode_stack.dtype != self.dtype or not (decode_stack.blocks or self.small_batch_linears):
-            return None
-        key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
-        if self._bound_stack is None or self._bound_stack[0] != key:
-            stack_layers = self.stack_layers(kv_caches, decode_stack.blocks)
-            if stack_layers is None:
-                self._bound_stack = (key, None)  # a linear without the stack's kernel
-                return None
-            engine = layers[0].qkv.pair_engine
-            if not decode_stack.blocks and engine != decode_stack.pair_engine:
-                raise ValueError(
-                    f"decode stack: its pair-layout linear runs on {decode_stack.pair_engine}, "
-                    f"the model's on {engine}"
-                )
-            bound = decode_stack.bind(stack_layers, self.config.rms_norm_eps)
-            self._bound_stack = (key, bound)
-        stack = self._bound_stack[1]
-        if stack is None or batch.num_tokens > stack.max_rows:
-            return None
-        attention.check_once(batch.decode, kv_caches[0][0])
-        cos, sin = attention.fused_ops.cos_sin(batch.positions, self.inv_freq)
-        return stack.run(
-            x,
-            residual,
-            cos,
-            sin,
-            batch.slot_mapping,
-            batch.decode.block_tables,
-            batch.decode.context_lens,
-            yield_point,
-        )
-
-
-def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:
-    """The linears' pair-layout weights, or None unless all of them have one."""
-    weights = [linear.pair_weight for linear in linears]
-    return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
-
-
-def _block_weights(*linears: Linear) -> tuple[Blocks, ...] | None:
-    """The linears' blocks, or None unless all of them have them."""
-    weights = [linear.blocks for linear in linears]
-    return None if any(w is None for w in weights) else tuple(w for w in weights if w is not None)
 
 
 def _layer_weight_names(prefix: str) -> tuple[list[str], list[str], list[str], list[str]]:

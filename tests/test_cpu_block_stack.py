@@ -23,6 +23,7 @@ from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloa
 from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.stack_binding import stack_layers
 from gpu_worker.startup import make_attention
 from kernels.block_weights import BF16, Q8_0, BlockRows, BlockWeight
 from kernels.cpu_block_linear import BlockLinear
@@ -278,17 +279,17 @@ def test_bind_names_the_blocks_it_cannot_take(
     cache = filled_cache(config)
     attention = model.attention
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
-    stack_layers = model.stack_layers(cache, blocks=True)
-    assert stack_layers is not None
-    bound = attention.decode_stack.bind(stack_layers, config.rms_norm_eps)
+    layers = stack_layers(model, cache, blocks=True)
+    assert layers is not None
+    bound = attention.decode_stack.bind(layers, config.rms_norm_eps)
     assert bound.max_rows == BLOCK_STACK_MAX_ROWS and bound.dtype == torch.float32
-    swapped = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[::-1])
+    swapped = replace(layers[1], block_weights=layers[1].block_weights[::-1])
     with pytest.raises(ValueError, match=r"layers\[1\]\.block_weights \(qkv_weight\)"):
-        attention.decode_stack.bind([stack_layers[0], swapped], config.rms_norm_eps)
-    short = replace(stack_layers[1], block_weights=stack_layers[1].block_weights[:3])
+        attention.decode_stack.bind([layers[0], swapped], config.rms_norm_eps)
+    short = replace(layers[1], block_weights=layers[1].block_weights[:3])
     with pytest.raises(ValueError, match=r"layers\[1\]\.block_weights"):
-        attention.decode_stack.bind([stack_layers[0], short], config.rms_norm_eps)
-    bfloat16 = replace(stack_layers[0], o_weight=stack_layers[0].o_weight.bfloat16())
+        attention.decode_stack.bind([layers[0], short], config.rms_norm_eps)
+    bfloat16 = replace(layers[0], o_weight=layers[0].o_weight.bfloat16())
     with pytest.raises(ValueError, match=r"layers\[0\]\.o_weight"):
         attention.decode_stack.bind([bfloat16], config.rms_norm_eps)
 

@@ -287,4 +287,4 @@ def test_a_model_whose_linears_have_no_pair_layout_weights_decodes_op_by_op(
         )
         assert torch.equal(stacked(decode, stacked_cache), per_op(decode, per_op_cache))
     assert counting.runs == 0
-    assert stacked._bound_stack is not None and stacked._bound_stack[1] is None
+    assert stacked.stack_binding.unavailable
