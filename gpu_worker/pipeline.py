@@ -334,13 +334,14 @@ class StepPipeline:
     def _run_one_thread(self) -> None:
         """CUDA SBO without threads: launches return at once, so while the device computes step k
         this thread stages step k+1 (its inputs copied on the data stream) and launches it behind
-        step k. A lookahead step (the scheduler sends it while the step in front computes) whose
-        inputs are tokens a launched step samples waits for those tokens: the steps in front are
-        answered, the late inputs written in on the device, and it is launched. Right after launching a step that leaves a prompt unfinished it builds the next
-        window on the host (ModelRunner.forecast), so that the window is only uploaded when the
-        scheduler sends it. It answers each step as soon as its tokens are back, in order, and between
-        messages it looks for them without blocking. At most `sbo_depth` steps are launched and
-        unanswered; with that many it waits for the oldest.
+        step k. A lookahead step (sent while the step in front computes) whose inputs are tokens a
+        launched step samples waits for them: the steps in front are answered, the late inputs
+        written into the uploaded ones on the compute stream, and the step launched. Right after
+        launching a step that leaves a prompt unfinished it builds the next window on the host
+        (ModelRunner.forecast), so that the window is only uploaded when the scheduler sends it.
+        It answers each step as soon as its tokens are back, in order, and between messages it
+        looks for them without blocking. At most `sbo_depth` steps are launched and unanswered;
+        with that many it waits for the oldest.
 
         Exposed staging here is staging while the device had nothing to run: all of it when
         nothing was launched, none when a launched step was still running once staging ended, and
