@@ -4,7 +4,7 @@
 # 1. packages: the machine's own CUDA torch and triton are used as they are (the python3 that
 #    imports a CUDA torch); duoserve and its other dependencies are installed into that
 #    environment, from PyPI or, on a machine without a registry, from the wheels in
-#    $DUOSERVE_WHEELS (`pip download` them elsewhere);
+#    $DUOSERVE_WHEELS (bench/gpu_bundle.py downloads them elsewhere, with the model in parts);
 # 2. the GPU test subset: every Triton kernel against its reference on the device; decode CUDA
 #    graphs and the CUDA SBO pipeline (two compute streams) against the plain forward; the triton
 #    backend against transformers (tiny models, and SmolLM2 on CUDA); DBO/prefix-cache identity
