@@ -11,7 +11,9 @@
 #    end to end through real servers;
 # 3. the decode-attention microbenchmark (kernel vs gather + SDPA, launched and graph-replayed,
 #    fraction of peak bandwidth);
-# 4. the end-to-end benchmark, 64 x 256 in x 128 out and one stream, on the default GPU config
+# 4. the serving path's ceiling: the scheduler, gRPC and the SDK with a worker that answers each
+#    step at once (bench/serving_ceiling.py), so the end-to-end figures can be told host-bound;
+# 5. the end-to-end benchmark, 64 x 256 in x 128 out and one stream, on the default GPU config
 #    (SBO in one thread with lookahead, CUDA graphs on, DBO on), then with SBO off, lookahead
 #    off, DBO off, two compute streams, SBO on threads and CUDA graphs off; transformers beside
 #    it. Each run counts the Triton kernels compiled while it ran (the warm-up should leave none).
@@ -23,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-bench/results/gpu-check}
-STEPS=${GPU_CHECK_STEPS:-"tests-kernels tests-gpu tests-e2e bench-decode bench-serving"}
+STEPS=${GPU_CHECK_STEPS:-"tests-kernels tests-gpu tests-e2e bench-decode bench-ceiling bench-serving"}
 
 REQUIREMENTS=()
 for name in grpcio grpcio-health-checking grpcio-reflection protobuf pyzmq numpy gguf setproctitle \
@@ -81,6 +83,7 @@ run tests-kernels 240 "${PYTEST[@]}" tests/kernels tests/test_cpu_decode_kernel.
 run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py -k "cuda or triton or graph"
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
+run bench-ceiling 120 "$PY" bench/serving_ceiling.py --serving-args "--workloads random single --json $OUT/ceiling.json"
 run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \
     --configs "dtype=bfloat16" "dtype=bfloat16,no-sbo" "dtype=bfloat16,max-inflight=1" \
     "dtype=bfloat16,no-lookahead" "dtype=bfloat16,compute-streams=2" "dtype=bfloat16,sbo-threads" \
@@ -105,6 +108,11 @@ if decode.exists():
             f"{row['baseline_graph_ms']:.3f} ms gather+SDPA ({row['graph_speedup']:.2f}x), {row['gbs']:.0f} GB/s = "
             f"{row['fraction_of_peak']:.0%} of peak; launched {row['kernel_ms']:.3f} vs {row['baseline_ms']:.3f} ms |"
         )
+ceiling = out / "ceiling.json"
+if ceiling.exists():
+    for run in json.loads(ceiling.read_text()).get("runs", []):
+        print(f"| serving-path ceiling (a worker answering at once) {run['workload']} | "
+              f"{run['output_tok_s']:.1f} out tok/s, TPOT p50 {(run['tpot_p50'] or 0) * 1e3:.2f} ms |")
 serving = out / "serving.json"
 if serving.exists():
     for run in json.loads(serving.read_text()).get("runs", []):
