@@ -167,9 +167,11 @@ class ModelRunner:
         return bool(self.seqs)
 
     def forget_all(self) -> None:
-        """Drop every sequence's state and every forecast (after warm-up)."""
+        """Drop every sequence's state and every forecast, and start the sampler's generator again
+        from its seed (after warm-up, whose drawn token must not shift the first request's)."""
         self.seqs.clear()
         self.forecasts.clear()
+        self.sampler.reset()
 
     def stage(self, step: worker_pb2.Step) -> StagedStep:
         started = time.perf_counter()

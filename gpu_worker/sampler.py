@@ -144,6 +144,10 @@ class Sampler:
                 values[i] = torch.rand((), generator=gen, device=device)
         return values
 
+    def reset(self) -> None:
+        """Draw as a new sampler would: the generators start again from the seed (after warm-up)."""
+        self._generators.clear()
+
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
         if gen is None:

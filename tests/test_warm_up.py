@@ -7,6 +7,7 @@ import torch
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import PendingStep, StagedStep
+from gpu_worker.sampler import Sampler, SamplingParams, SamplingRow
 from gpu_worker.startup import warm_up
 from tests.worker_steps import cpu_runner, save_tiny_llama
 
@@ -56,3 +57,16 @@ def test_warm_up_runs_a_prefill_decodes_and_a_mixed_step_then_forgets_them(
     drawn = [p for p in params[3:] if p != greedy]
     assert len(drawn) == 1 and drawn[0][0] > 0 and drawn[0][1] > 0 and drawn[0][2] < 1.0, params
     assert not runner.seqs and not runner.forecasts, "warm-up left sequences or forecasts behind"
+
+
+def test_warm_up_leaves_the_seeded_sampler_as_it_found_it(
+    tiny: tuple[ModelConfig, dict[str, torch.Tensor]],
+) -> None:
+    # Its drawn token takes a number from the worker's generator: with --seed, the first request
+    # must still draw the number a worker without warm-up would.
+    runner = cpu_runner(tiny, "torch", 16)
+    runner.sampler = Sampler(seed=7)
+    warm_up(runner, 16)
+    row = SamplingRow(SamplingParams(temperature=1.0), [1, 2, 3], [])
+    cpu = torch.device("cpu")
+    assert runner.sampler._uniforms([row], cpu).tolist() == Sampler(seed=7)._uniforms([row], cpu).tolist()
