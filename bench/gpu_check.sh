@@ -79,7 +79,11 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.log, stop it after SECO
     tail -n 3 "$OUT/$name.log" | sed 's/^/   /'
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
-run tests-kernels 240 "${PYTEST[@]}" tests/kernels tests/test_cpu_decode_kernel.py
+# The kernel tests spend their time compiling Triton variants on a cold cache: with pytest-xdist
+# there, four processes compile them side by side. The steps that start servers run one at a time.
+PARALLEL=()
+"$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 4)
+run tests-kernels 240 "${PYTEST[@]}" "${PARALLEL[@]}" tests/kernels tests/test_cpu_decode_kernel.py
 run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py -k "cuda or triton or graph"
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
