@@ -211,10 +211,12 @@ def test_a_16_bit_weight_is_its_own_blocks(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
-# Up to 6 rows stream the weight; past that the tiled path takes rows 16 at a time (7, 15, 16, 23:
-# a group short, even, or seven over) and outputs in panels (301 x 1536: panels of 24, the last one
-# short); 1-6 rows past whole groups stream after them (17, 22, 33).
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 22, 23, 33])
+# Up to 6 rows stream the weight, and up to 12 for types of 32-weight blocks while rows * k <= 11264
+# (7, 9, 12 at k <= 576, 7 at 1536: one addition chain a row); past that the tiled path takes rows
+# 16 at a time (7 for the other types, 9 and 12 at k = 1536, 13, 16, 23: a group short, even, or
+# seven over) and outputs in panels (301 x 1536: panels of 24, the last one short); 1-6 rows past
+# whole groups stream after them (17, 22, 33).
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 17, 22, 23, 33])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (17, 64), (40, 576), (301, 1536)])
 def test_kernel_matches_the_dequantized_product(
     kernel: BlockLinear, type_: int, rows: int, n: int, k: int
@@ -231,7 +233,8 @@ def test_kernel_matches_the_dequantized_product(
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
-@pytest.mark.parametrize("rows", [1, 6, 7, 17, 300])  # streamed, tiled, tiled + streamed tail
+# streamed, streamed wide (tiled for the codebook and ternary types), tiled, tiled + streamed tail
+@pytest.mark.parametrize("rows", [1, 6, 7, 12, 13, 17, 300])
 def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int, rows: int) -> None:
     k = whole(type_, 576)
     weight = block_weight(type_, 301, k, seed=rows + type_)

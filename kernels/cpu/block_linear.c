@@ -94,9 +94,14 @@
  * x @ dequantize(w).T with the additions in another order: equal to float32 rounding.
  *
  * Two paths, by the number of rows of x:
- * - up to STREAM_ROWS (a decode step of a few sequences): the weights' bytes set the time. Each
- *   thread takes an equal run of output rows and widens each weight row's blocks once, in
- *   registers, for all rows of x.
+ * - up to STREAM_ROWS (a decode step of a few sequences), and up to WIDE_STREAM_ROWS for types of
+ *   32-weight blocks where x's rows fit WIDE_STREAM_FLOATS (k = 576: 12 rows, 1024: 11, 1536: 7):
+ *   each thread takes an equal run of output rows and widens each
+ *   weight row's blocks once, in registers, for all rows of x. At one row the widening sets the
+ *   time, at a few more the multiplies join it; a widened block is never stored. On a 2-core AMD
+ *   EPYC (Zen 4), SmolLM2's Q4_1 linears and Q8_0 head took 6.7 ms at one row, 13.8 at six,
+ *   16.4 at seven and 24.8 at twelve, where 16-row tiles took 29.5 for any of 7 to 16
+ *   (bench/block_linear_ab.py); at k = 1024 and 12 rows the tiles were faster (0.78-0.85x).
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
  *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
  *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
@@ -190,7 +195,10 @@ enum {
         }                                                                                            \
     } while (0)
 
-#define STREAM_ROWS 6
+#define STREAM_ROWS 6 /* any type */
+#define WIDE_STREAM_ROWS 12 /* types that stream_wide, while x's rows fit WIDE_STREAM_FLOATS */
+/* 44 KB of x: past it, loading x's rows from the second-level cache cost more than a tile's padding. */
+#define WIDE_STREAM_FLOATS (11 * 1024)
 
 static inline float half_to_float(const uint8_t *p)
 {
@@ -209,6 +217,15 @@ static inline int super_blocks(int type)
 {
     return type == TYPE_Q2_K || type == TYPE_Q3_K || type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_Q6_K ||
            type == TYPE_IQ4_XS || type == TYPE_TQ1_0 || type == TYPE_TQ2_0 || codebook(type);
+}
+
+/* Types whose streaming path also takes STREAM_ROWS + 1 to WIDE_STREAM_ROWS rows: those of 32-weight
+ * blocks. A super-block's widening needs more registers beside a sum for each row (Q6_K at 8 rows
+ * spilled: 0.75x the tiled path's speed), and six more unrolled row counts of every type add to the
+ * build. */
+static inline int stream_wide(int type)
+{
+    return !super_blocks(type);
 }
 
 /* ggml's codebooks as bytes, rows of 8 (IQ2, IQ1) or 4 (IQ3), and its sign patterns: set once by
@@ -840,16 +857,18 @@ static inline __attribute__((always_inline)) void widen(
     }
 
 /*
- * Output `n` for `rows` (1 to STREAM_ROWS) rows of x from `x`, on `type` blocks widened as `bf16`
- * says (all three constants once inlined). Chains of additions: four per row for one or two rows, two per row past that, so
- * that the additions' latency hides behind the widening and the loads.
+ * Output `n` for `rows` (1 to WIDE_STREAM_ROWS) rows of x from `x`, on `type` blocks widened as
+ * `bf16` says (all three constants once inlined). Chains of additions: four per row for one or two
+ * rows, two per row up to STREAM_ROWS, one past that (the rows' own chains are then enough, and
+ * more would not fit the registers), so that the additions' latency hides behind the widening and
+ * the loads.
  */
 static inline __attribute__((always_inline)) void pass(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
     int64_t n, float bias, const int type, const int bf16, const int rows)
 {
-    const int chains = rows <= 2 ? 4 : 2;
-    __m256 acc[STREAM_ROWS][4];
+    const int chains = rows <= 2 ? 4 : rows <= STREAM_ROWS ? 2 : 1;
+    __m256 acc[WIDE_STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chains; c++) acc[r][c] = _mm256_setzero_ps();
     FOR_EACH_GROUP(row, blocks, type, bf16, {
@@ -883,6 +902,23 @@ static inline __attribute__((always_inline)) void output(
     }
 }
 
+/* output for STREAM_ROWS + 1 to WIDE_STREAM_ROWS rows of x, where `type` streams wide. */
+static inline __attribute__((always_inline)) void output_wide(
+    const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t rows,
+    int64_t y_stride, int64_t n, float bias, const int type, const int bf16)
+{
+    if (!stream_wide(type)) return;
+    switch (rows) {
+    case 12: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 12); break;
+    case 11: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 11); break;
+    case 10: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 10); break;
+    case 9: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 9); break;
+    case 8: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 8); break;
+    case 7: pass(x, x_stride, blocks, row, y, y_stride, n, bias, type, bf16, 7); break;
+    default: break;
+    }
+}
+
 /* The streaming path: each weight row read once from memory, for all rows of x in one pass. */
 static void stream_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
@@ -890,6 +926,17 @@ static void stream_rows(
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = k / weights_per_block(type) * block_bytes(type);
+    if (rows > STREAM_ROWS) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t o = 0; o < n; o++) {
+            const uint8_t *row = w + o * row_bytes;
+            const float b = bias == NULL ? 0.0f : bias[o];
+#define OUTPUT(T, B) output_wide(x, x_stride, blocks, row, y, rows, y_stride, o, b, T, B)
+            WITH_TYPE(type, OUTPUT);
+#undef OUTPUT
+        }
+        return;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const uint8_t *row = w + o * row_bytes;
@@ -1059,9 +1106,14 @@ static int block_linear(
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
     if (!known_type(type) || k % weights_per_block(type) != 0) return -1;
+    const int wide = stream_wide(type) && rows <= WIDE_STREAM_ROWS && rows * k <= WIDE_STREAM_FLOATS;
+    if (rows <= STREAM_ROWS || wide) {
+        stream_rows(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
+        return 0;
+    }
     /* A last group of at most STREAM_ROWS rows past whole tiles streams the weight once more
      * instead: cheaper than a tile's multiplies padded to TILE_ROWS rows. */
-    const int64_t tail = rows <= STREAM_ROWS ? rows : rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
+    const int64_t tail = rows % TILE_ROWS <= STREAM_ROWS ? rows % TILE_ROWS : 0;
     const int64_t tiled = rows - tail;
     if (tiled > 0) {
         float *xt = thread_scratch(&column_floats, &column_capacity, (tiled + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS * k);
@@ -1078,9 +1130,10 @@ static int block_linear(
 /*
  * y [rows, n] (row stride y_stride >= n) = x [rows, k] (row stride x_stride) @ w.T + bias, w [n, k] as
  * `type` blocks, k / 32 per output row (k / 256 super-blocks of a K-quant); bias may be NULL. Up
- * to STREAM_ROWS rows stream the weight once (a decode step's time is its bytes); more take the
- * tiled path (their time is the multiplies), but for a tail of up to STREAM_ROWS rows past whole
- * tiles. Returns 0, -1 for an unknown type or k not in whole blocks, -2 when scratch cannot be had.
+ * to STREAM_ROWS rows (WIDE_STREAM_ROWS for some types and shapes) stream the weight once (a decode
+ * step's time is its bytes and the widening); more take the tiled path (their time is the
+ * multiplies), but for a tail of up to STREAM_ROWS rows past whole tiles. Returns 0, -1 for an
+ * unknown type or k not in whole blocks, -2 when scratch cannot be had.
  */
 #if !BFLOAT16
 int duoserve_block_linear(
