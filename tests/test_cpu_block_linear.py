@@ -233,7 +233,7 @@ def test_kernel_matches_the_dequantized_product(
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
-# streamed, streamed wide (tiled for the codebook and ternary types), tiled, tiled + streamed tail
+# streamed, streamed wide (tiled for the super-block types), tiled, tiled + streamed tail
 @pytest.mark.parametrize("rows", [1, 6, 7, 12, 13, 17, 300])
 def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int, rows: int) -> None:
     k = whole(type_, 576)

@@ -96,12 +96,11 @@
  * Two paths, by the number of rows of x:
  * - up to STREAM_ROWS (a decode step of a few sequences), and up to WIDE_STREAM_ROWS for types of
  *   32-weight blocks where x's rows fit WIDE_STREAM_FLOATS (k = 576: 12 rows, 1024: 11, 1536: 7):
- *   each thread takes an equal run of output rows and widens each
- *   weight row's blocks once, in registers, for all rows of x. At one row the widening sets the
- *   time, at a few more the multiplies join it; a widened block is never stored. On a 2-core AMD
- *   EPYC (Zen 4), SmolLM2's Q4_1 linears and Q8_0 head took 6.7 ms at one row, 13.8 at six,
- *   16.4 at seven and 24.8 at twelve, where 16-row tiles took 29.5 for any of 7 to 16
- *   (bench/block_linear_ab.py); at k = 1024 and 12 rows the tiles were faster (0.78-0.85x).
+ *   each thread takes an equal run of output rows and widens each weight row's blocks once, in
+ *   registers, for all rows of x. At one row the widening sets the time, at a few more the
+ *   multiplies join it; a widened block is never stored. On a 2-core AMD EPYC (Zen 4), SmolLM2's
+ *   Q4_1 linears and Q8_0 head took 6.7 ms at one row, 13.8 at six, 16.4 at seven and 24.8 at
+ *   twelve, where 16-row tiles took 29.5 for any of 7 to 16 (bench/block_linear_ab.py); at k = 1024 and 12 rows the tiles were faster (0.78-0.85x).
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
  *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
  *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
@@ -762,7 +761,7 @@ static inline __attribute__((always_inline)) void widen(
     }
     const uint8_t *q = block + quants_at(type);
     if (type == TYPE_Q4_0 || type == TYPE_Q4_1) { /* each 8 bytes widened from memory, then split: */
-        /* fewer shuffles than splitting the 16 bytes first (1.15x at one row, Q4_1, Zen 4) */
+        /* fewer shuffles than splitting the 16 bytes first (SmolLM2's Q4_1 at one row 1.09x, Zen 4) */
         const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
         const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
         const __m256i nibble = _mm256_set1_epi32(0x0f);
@@ -941,6 +940,8 @@ static void stream_rows(
 {
     const int64_t blocks = k / 32;
     const int64_t row_bytes = k / weights_per_block(type) * block_bytes(type);
+    /* Two loops, one for each switch: with both switches in one loop the 1-2 row steps ran 1.6-3%
+     * slower, and with one always-inline loop over a constant choice the 8-10 row steps 2.5-5%. */
     if (rows > STREAM_ROWS) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t o = 0; o < n; o++) {
