@@ -124,6 +124,15 @@ class BlockLinear:
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.library = library
 
+    @property
+    def dot_products(self) -> bool:
+        """True where the bfloat16 build's streaming path (1-6 rows) multiplies on AVX-512 BF16 dot
+        products, which makes the blocks faster than the pair-layout kernel at 1-2 rows (see
+        gpu_worker/linear.py's SMALL_STEP_ROWS). Builds the bfloat16 library if it is not loaded."""
+        library = self.library if self.library is not None else _library(torch.bfloat16)
+        query = getattr(library, "duoserve_block_linear_bf16_dot_products", None)
+        return query is not None and bool(query())
+
     def __call__(self, x: torch.Tensor, weight: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
         require(
             x.dim() == 2
@@ -214,6 +223,9 @@ def open_library(dtype: torch.dtype, sources: Path = SOURCES) -> ctypes.CDLL:
     library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))
     if dtype == torch.bfloat16:
         entry = library.duoserve_block_linear_bf16
+        if hasattr(library, "duoserve_block_linear_bf16_dot_products"):  # not in older revisions
+            library.duoserve_block_linear_bf16_dot_products.restype = ctypes.c_int
+            library.duoserve_block_linear_bf16_dot_products.argtypes = []
     else:
         entry = library.duoserve_block_linear
         library.duoserve_block_dequantize.restype = ctypes.c_int
