@@ -236,14 +236,17 @@ class CpuPagedAttention(TorchPagedAttention):
         fused_ops: CpuFusedOps | None = None,
         decode_stack: CpuDecodeStack | None = None,
         prefill_kernel: CpuPrefillAttention | None = None,
+        small_decode_stack: CpuDecodeStack | None = None,
     ) -> None:
         """`decode_stack` (with `fused_ops`; bfloat16 on pair-layout weights, or float32 or bfloat16
         on GGUF blocks): decode steps of up to its max_rows sequences run every layer in one C call
-        (kernels/cpu_stack.py)."""
+        (kernels/cpu_stack.py). `small_decode_stack` (bfloat16 on GGUF blocks, where the CPU
+        multiplies bfloat16): the one that steps of up to SMALL_STEP_ROWS sequences take."""
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.kernel = kernel
         self.fused_ops = fused_ops
         self.decode_stack = decode_stack if fused_ops is not None else None
+        self.small_decode_stack = small_decode_stack if fused_ops is not None else None
         self.prefill_kernel = prefill_kernel
 
     def _prefills(

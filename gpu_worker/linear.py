@@ -12,7 +12,9 @@ step: on an AVX2-only 2-core AMD EPYC (Zen 3) it multiplied 1.5-4.3x faster than
 
 Linears keep their weights as the model's files store them (a GGUF file's blocks, 16-bit floats)
 where `blocks_take` says so (float32 on the CPU, and bfloat16 on CPUs that cannot multiply
-bfloat16), and multiply on them: see kernels/cpu_block_linear.py. In bfloat16 there, a weight
+bfloat16), and multiply on them: see kernels/cpu_block_linear.py. On CPUs that multiply bfloat16
+with AVX-512 BF16, bfloat16 linears keep the blocks beside their bfloat16 weights for steps of
+one or two rows (`small_steps_take_blocks`). In bfloat16 there, a weight
 without quantized blocks multiplies on itself. A weight the worker never read from the files (a
 shape on the "meta" device) multiplies on its blocks at every step: a float32 server then holds
 the blocks alone, not float32 and oneDNN-packed copies beside them.
@@ -48,6 +50,32 @@ BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
 def cpu_multiplies_bfloat16() -> bool:
     """True when the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX)."""
     return cpu_has("avx512_bf16") or cpu_has("amx_bf16")
+
+
+# bfloat16 steps of up to this many rows take the block kernel's bfloat16 dot products where
+# `small_steps_take_blocks`: on a 2-core AMD EPYC (Zen 4), SmolLM2's linears and head at one row
+# 7.0 ms on the Q4_1/Q8_0 blocks against 9.0 on the pair-layout kernel's bfloat16 copy, at two 7.8
+# against 9.0, at four 10.1 against 9.1 (bench/linear_ab.py --dtype bfloat16). A step of one or
+# two rows reads 96 MB of blocks instead of 269 MB of bfloat16 weights.
+SMALL_STEP_ROWS = 2
+
+
+def small_steps_take_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where bfloat16 linears with quantized blocks keep them beside their bfloat16 weights
+    and steps of up to SMALL_STEP_ROWS rows take the block kernel's dot products (AVX-512 BF16,
+    no AMX: the AMX pair kernel is unmeasured against it). Linears hold the blocks only where the
+    loaded kernel has the dot products (BlockLinear.dot_products)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and cpu_has("avx512_bf16")
+        and not cpu_has("amx_bf16")
+    )
+
+
+def wants_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where the worker loads the files' blocks for its linears (with --block-linear)."""
+    return blocks_take(dtype, device) or small_steps_take_blocks(dtype, device)
 
 
 def blocks_take(dtype: torch.dtype, device: torch.device) -> bool:
@@ -133,9 +161,11 @@ def block_kernel(dtype: torch.dtype = torch.float32) -> BlockLinear | None:
                 _block[dtype] = load_block_linear(dtype)
                 log.info(
                     "block linear kernel loaded for %s: float32 steps of up to %d rows take it, "
-                    "bfloat16 steps all, and every step of a linear without a dense copy (--dense-weights)",
+                    "bfloat16 steps all (%d where the CPU multiplies bfloat16), and every step of a "
+                    "linear without a dense copy (--dense-weights)",
                     str(dtype).removeprefix("torch."),
                     BLOCK_MAX_ROWS,
+                    SMALL_STEP_ROWS,
                 )
             except KernelBuildError as exc:
                 log.info("block linear kernel unavailable, float32 copies take every step: %s", exc)
@@ -148,9 +178,10 @@ class Linear:
 
     Not `packed`: `F.linear`. `packed`: oneDNN's packed kernel, except that with `pair` steps of
     up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`). With
-    `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take`), steps
-    take the block kernel where it loads: in float32 those of up to BLOCK_MAX_ROWS rows, in
-    bfloat16 all of them. With `self_blocks`, a bfloat16 weight without quantized blocks is its
+    `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take` or
+    `small_steps_take_blocks`), steps take the block kernel where it loads: in float32 those of up
+    to BLOCK_MAX_ROWS rows, in bfloat16 all of them, or those of up to SMALL_STEP_ROWS where the
+    CPU multiplies bfloat16 (`block_max_rows`). With `self_blocks`, a bfloat16 weight without quantized blocks is its
     own blocks (the same values, no copy). A `weight` on the "meta" device (a shape, not read)
     needs `blocks`, which then take every step (`blocks_only`).
     """
@@ -188,12 +219,19 @@ class Linear:
             and weight.is_contiguous()
         ):
             blocks = BlockWeight.dense(weight.detach())
-        if blocks is not None and blocks_take(weight.dtype, device):
+        # Steps of up to this many rows take the blocks (None: every step).
+        self.block_max_rows: int | None = BLOCK_MAX_ROWS if weight.dtype == torch.float32 else None
+        small_steps = small_steps_take_blocks(weight.dtype, device)
+        if blocks is not None and (blocks_take(weight.dtype, device) or small_steps):
             if (blocks.n, blocks.k) != tuple(weight.shape):
                 raise ValueError(
                     f"blocks of a [{blocks.n}, {blocks.k}] weight for a {list(weight.shape)} one"
                 )
             self._block = block_kernel(weight.dtype)
+            if small_steps and not self.blocks_only:  # beside the pair-layout and oneDNN kernels
+                self.block_max_rows = SMALL_STEP_ROWS
+                if self._block is not None and not self._block.dot_products:
+                    self._block = None  # rounding each weight, the blocks are slower than the pairs
             self.blocks = blocks if self._block is not None else None
         if self.blocks_only and self.blocks is None:
             raise ValueError(
@@ -218,12 +256,11 @@ class Linear:
         rows = x.shape[0]
         if self.blocks_only:
             return True
-        capped = self.weight.dtype == torch.float32  # in bfloat16 the blocks take every size
         return (
             self.blocks is not None
             and x.stride(-1) == 1
             and rows >= 1
-            and (not capped or rows <= BLOCK_MAX_ROWS)
+            and (self.block_max_rows is None or rows <= self.block_max_rows)
         )
 
     @property

@@ -16,7 +16,14 @@ from torch import nn
 
 from gpu_worker.attention import FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import GateUpLinear, Linear, blocks_take, packed_linear_available, pair_kernel
+from gpu_worker.linear import (
+    GateUpLinear,
+    Linear,
+    blocks_take,
+    packed_linear_available,
+    pair_kernel,
+    small_steps_take_blocks,
+)
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.stack_binding import StackBinding
 from kernels.block_weights import Blocks, BlockWeight, concat_rows
@@ -266,7 +273,8 @@ class LlamaModel(nn.Module):
         """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
         (from `load_block_weights`, the same files'; None: no block kernel) lets CPU linears take the
         block kernel where `blocks_take` (gpu_worker/linear.py) says so; in bfloat16 there, every
-        linear without quantized blocks multiplies on its own weight on it. Weights left unread
+        linear without quantized blocks multiplies on its own weight on it. Where the CPU multiplies
+        bfloat16, steps of one or two rows take the quantized blocks (`small_steps_take_blocks`). Weights left unread
         (`load_model`'s `shape_only`, chosen from `blocks_only_weights`) are held as shapes only
         and their linears multiply on the blocks at every step."""
 
@@ -311,7 +319,8 @@ class LlamaModel(nn.Module):
         pair = pair_kernel() if own else None
         takes_blocks = blocks is not None and blocks_take(self.dtype, self.device)
         self_blocks = takes_blocks and self.dtype == torch.bfloat16
-        blocks = blocks if blocks and takes_blocks else {}
+        small_steps = small_steps_take_blocks(self.dtype, self.device)  # beside the pair layouts
+        blocks = blocks if blocks and (takes_blocks or small_steps) else {}
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."), self_blocks)

@@ -3,7 +3,8 @@ the model's layers and KV caches.
 
 A decode step of at most the stack's max_rows sequences on the CPU backend runs every layer in one
 call: in bfloat16 with the pair-layout linears, or in the model's dtype with the files' GGUF
-blocks. The stack is bound on first use, to the KV caches of that step, and again whenever they
+blocks; where the CPU multiplies bfloat16, steps of one or two sequences on the blocks' dot
+products and the others on the pairs. The stack is bound on first use, to the KV caches of that step, and again whenever they
 change; a model with a linear lacking the stack's kernel takes the per-op path.
 """
 
@@ -16,9 +17,9 @@ import torch
 
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ForwardBatch
-from gpu_worker.linear import Linear
+from gpu_worker.linear import SMALL_STEP_ROWS, Linear
 from kernels.block_weights import Blocks
-from kernels.cpu_stack import BoundStack, StackLayer
+from kernels.cpu_stack import BoundStack, CpuDecodeStack, StackLayer
 
 if TYPE_CHECKING:
     from gpu_worker.model import LlamaModel
@@ -57,17 +58,17 @@ def stack_layers(
 
 
 class StackBinding:
-    """One model's decode stack, bound to the KV caches it last ran on."""
+    """One model's decode stacks, each bound to the KV caches it last ran on."""
 
     def __init__(self) -> None:
-        # The key (stack, first cache, layers) it was bound for, and the bound stack; None in its
-        # place: a linear has no weights for the stack's kernel, so decode steps take the per-op path.
-        self._bound: tuple[tuple[object, int, int], BoundStack | None] | None = None
+        # By stack: the key (stack, first cache, layers) it was bound for, and the bound stack; None
+        # in its place: a linear has no weights for that stack's kernel, so it takes no steps.
+        self._bound: dict[int, tuple[tuple[object, int, int], BoundStack | None]] = {}
 
     @property
     def unavailable(self) -> bool:
-        """Bound once and found the model cannot run on the stack."""
-        return self._bound is not None and self._bound[1] is None
+        """Bound and found the model can run on none of its stacks."""
+        return bool(self._bound) and all(bound is None for _, bound in self._bound.values())
 
     def run(
         self,
@@ -80,33 +81,28 @@ class StackBinding:
     ) -> torch.Tensor | None:
         """Every layer of `model` in one C call for a decode step of at most the stack's max_rows
         sequences on the CPU backend, the first layer's norm already applied to `x`; None (nothing
-        done) for any other step."""
+        done) for any other step. Steps of up to SMALL_STEP_ROWS sequences take the attention's
+        small-step stack (on the blocks) where the model can run on it."""
         attention = model.attention
         if (
             not isinstance(attention, CpuPagedAttention)
-            or attention.decode_stack is None
             or attention.fused_ops is None
             or batch.decode is None
             or batch.prefills
         ):
             return None
+        stack = None
+        small = attention.small_decode_stack
+        if small is not None and small.dtype == model.dtype and batch.num_tokens <= SMALL_STEP_ROWS:
+            stack = self._bind(small, model, kv_caches)
         decode_stack = attention.decode_stack
-        if decode_stack.dtype != model.dtype or not (decode_stack.blocks or model.small_batch_linears):
-            return None
-        key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
-        if self._bound is None or self._bound[0] != key:
-            layers = stack_layers(model, kv_caches, decode_stack.blocks)
-            if layers is None:
-                self._bound = (key, None)  # a linear without the stack's kernel
-                return None
-            engine = model.decoder_layers()[0].qkv.pair_engine
-            if not decode_stack.blocks and engine != decode_stack.pair_engine:
-                raise ValueError(
-                    f"decode stack: its pair-layout linear runs on {decode_stack.pair_engine}, "
-                    f"the model's on {engine}"
-                )
-            self._bound = (key, decode_stack.bind(layers, model.config.rms_norm_eps))
-        stack = self._bound[1]
+        if (
+            stack is None
+            and decode_stack is not None
+            and decode_stack.dtype == model.dtype
+            and (decode_stack.blocks or model.small_batch_linears)
+        ):
+            stack = self._bind(decode_stack, model, kv_caches)
         if stack is None or batch.num_tokens > stack.max_rows:
             return None
         attention.check_once(batch.decode, kv_caches[0][0])
@@ -121,6 +117,31 @@ class StackBinding:
             batch.decode.context_lens,
             yield_point,
         )
+
+    def _bind(
+        self,
+        decode_stack: CpuDecodeStack,
+        model: LlamaModel,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> BoundStack | None:
+        """`decode_stack` bound to these caches (again only when they changed); None where a linear
+        has no weights for its kernel."""
+        key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
+        bound = self._bound.get(id(decode_stack))
+        if bound is None or bound[0] != key:
+            layers = stack_layers(model, kv_caches, decode_stack.blocks)
+            if layers is None:
+                bound = (key, None)  # a linear without the stack's kernel
+            else:
+                engine = model.decoder_layers()[0].qkv.pair_engine
+                if not decode_stack.blocks and engine != decode_stack.pair_engine:
+                    raise ValueError(
+                        f"decode stack: its pair-layout linear runs on {decode_stack.pair_engine}, "
+                        f"the model's on {engine}"
+                    )
+                bound = (key, decode_stack.bind(layers, model.config.rms_norm_eps))
+            self._bound[id(decode_stack)] = bound
+        return bound[1]
 
 
 def _pair_weights(*linears: Linear) -> tuple[torch.Tensor, ...] | None:

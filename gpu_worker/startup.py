@@ -24,11 +24,13 @@ from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.kv_cache import KVCache, kv_cache_bytes_per_block
 from gpu_worker.linear import (
     BLOCK_MAX_ROWS,
+    SMALL_STEP_ROWS,
     block_kernel,
     blocks_take,
     cpu_multiplies_bfloat16,
     packed_linear_available,
     pair_kernel,
+    small_steps_take_blocks,
 )
 from gpu_worker.loader import fill_unread, load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
@@ -42,7 +44,7 @@ from kernels.cpu_build import AMX
 from kernels.cpu_decode import VECTOR_PATHS, KernelBuildError, load_cpu_decode_attention
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 from kernels.cpu_prefill import load_prefill_attention
-from kernels.cpu_stack import load_cpu_decode_stack
+from kernels.cpu_stack import CpuDecodeStack, load_cpu_decode_stack
 from protos import worker_pb2
 from protos.running import RunningEntry, pack_running
 
@@ -98,15 +100,19 @@ def choose_blocks_only(
 ) -> set[str]:
     """The weights to hold as their blocks alone, not read as dense tensors (--dense-weights).
     `keep`: none. `drop`: every weight whose linear can multiply on blocks alone. `auto`: those
-    in bfloat16 (where the blocks take every step, so dense copies would go unused); in float32
+    in bfloat16 where the blocks take every step (`blocks_take`: dense copies would go unused;
+    where the CPU multiplies bfloat16 they take steps of one or two rows, and the pair-layout and
+    oneDNN kernels the others, on the dense copies); in float32
     (where dense copies take steps of more than BLOCK_MAX_ROWS rows, a few percent faster there),
     those too once their float32 copies (and oneDNN's packed ones, where it runs) would take more
     than DENSE_COPIES_SHARE of the memory free now."""
     names = blocks_only_weights(model_config, blocks)
     if setting == "keep" or not names:
         return set()
-    if setting == "drop" or dtype != torch.float32:
+    if setting == "drop":
         return names
+    if dtype != torch.float32:
+        return names if blocks_take(dtype, device) else set()
     copies = 2 if packed_linear_available(dtype, device) else 1  # float32, and oneDNN's packing
     dense_bytes = copies * 4 * sum(blocks[name].n * blocks[name].k for name in names)
     free = free_memory_bytes(device)
@@ -190,32 +196,42 @@ def make_attention(
     except KernelBuildError as exc:
         log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
         fused = None
+
+    def decode_stack(blocks: bool = False, allow_amx: bool = True) -> CpuDecodeStack:
+        return load_cpu_decode_stack(
+            model_config.head_dim,
+            model_config.num_heads // model_config.num_kv_heads,
+            block_size,
+            allow_amx=allow_amx,
+            blocks=blocks,
+            vector_bits=vector_bits,
+            dtype=dtype if blocks else None,
+        )
+
     stack = None
     takes_blocks = blocks_take(dtype, device)
     pair = pair_kernel() if fused is not None and dtype == torch.bfloat16 and not takes_blocks else None
     if fused is not None and takes_blocks and block_kernel(dtype) is not None:
         try:  # for a model whose linears have blocks (--block-linear)
-            stack = load_cpu_decode_stack(
-                model_config.head_dim,
-                model_config.num_heads // model_config.num_kv_heads,
-                block_size,
-                blocks=True,
-                vector_bits=vector_bits,
-                dtype=dtype,
-            )
+            stack = decode_stack(blocks=True)
         except KernelBuildError as exc:
             log.warning("CPU block decode stack unavailable, decode steps call each op: %s", exc)
     if pair is not None:
         try:  # its pair-layout linear on the model's linears' engine
-            stack = load_cpu_decode_stack(
-                model_config.head_dim,
-                model_config.num_heads // model_config.num_kv_heads,
-                block_size,
-                allow_amx=pair.engine == AMX,
-                vector_bits=vector_bits,
-            )
+            stack = decode_stack(allow_amx=pair.engine == AMX)
         except KernelBuildError as exc:
             log.warning("CPU decode stack unavailable, decode steps call each op: %s", exc)
+    small_stack = None
+    if fused is not None and small_steps_take_blocks(dtype, device):
+        kernel_for_blocks = block_kernel(dtype)
+        if kernel_for_blocks is not None and kernel_for_blocks.dot_products:
+            try:  # decode steps of one or two sequences, on the blocks' dot products
+                small_stack = decode_stack(blocks=True)
+                log.info(
+                    "decode steps of up to %d sequences run on the blocks' dot products", SMALL_STEP_ROWS
+                )
+            except KernelBuildError as exc:
+                log.warning("CPU block decode stack unavailable, small decode steps take the pairs: %s", exc)
     prefill = None
     try:
         prefill = load_prefill_attention(model_config.head_dim, dtype=dtype)
@@ -223,7 +239,12 @@ def make_attention(
     except KernelBuildError as exc:
         log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
     return CpuPagedAttention(
-        *shape, kernel=kernel, fused_ops=fused, decode_stack=stack, prefill_kernel=prefill
+        *shape,
+        kernel=kernel,
+        fused_ops=fused,
+        decode_stack=stack,
+        prefill_kernel=prefill,
+        small_decode_stack=small_stack,
     )
 
 
@@ -333,7 +354,11 @@ def load_weights(
             "dense copy and take it at every step (--dense-weights %s)",
             model.block_linears,
             len(linears),
-            f"up to {BLOCK_MAX_ROWS}" if dtype == torch.float32 else "any number of",
+            f"up to {BLOCK_MAX_ROWS}"
+            if dtype == torch.float32
+            else f"up to {SMALL_STEP_ROWS}"
+            if small_steps_take_blocks(dtype, device)
+            else "any number of",
             ", ".join(f"{count} {name}" for name, count in sorted(types.items())) or "no blocks",
             only,
             config.dense_weights,

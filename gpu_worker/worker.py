@@ -23,7 +23,7 @@ import zmq
 
 from gpu_worker.config import CANNOT_START, WorkerConfig
 from gpu_worker.kv_cache import allocate_kv_cache
-from gpu_worker.linear import block_kernel, blocks_take
+from gpu_worker.linear import block_kernel, wants_blocks
 from gpu_worker.loader import load_config
 from gpu_worker.model_config import ModelLoadError
 from gpu_worker.pipeline import StepPipeline
@@ -145,8 +145,8 @@ def _run(config: WorkerConfig) -> int:
         # The kernels this worker will run build beside the model's loading, each compile a
         # process of its own: a first start on a machine pays the longest of them, not their sum.
         with ThreadPoolExecutor(2, thread_name_prefix="kernel-build") as builds:
-            wants_blocks = config.block_linear and blocks_take(dtype, device)
-            block_build = builds.submit(block_kernel, dtype) if wants_blocks else None
+            load_blocks = config.block_linear and wants_blocks(dtype, device)
+            block_build = builds.submit(block_kernel, dtype) if load_blocks else None
             attention = builds.submit(
                 make_attention,
                 config.attention_backend,

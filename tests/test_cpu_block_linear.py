@@ -19,11 +19,13 @@ from bench import k_quants
 from bench.requantize_gguf import matrix_type
 from gpu_worker.linear import (
     BLOCK_MAX_ROWS,
+    SMALL_STEP_ROWS,
     Linear,
     block_kernel,
     blocks_take,
     cpu_multiplies_bfloat16,
     packed_linear_available,
+    small_steps_take_blocks,
 )
 from gpu_worker.loader import load_block_weights, load_model
 from kernels.block_weights import (
@@ -433,14 +435,47 @@ def test_bfloat16_linears_take_blocks_where_the_cpu_cannot_multiply_bfloat16(ker
     lin = Linear(weight.dequantize().bfloat16(), None, packed=False, blocks=weight)
     cpu = torch.device("cpu")
     assert blocks_take(torch.float32, cpu) and not blocks_take(torch.float16, cpu)
-    if cpu_multiplies_bfloat16():  # its own kernels multiply bfloat16 faster than the blocks
-        assert not blocks_take(torch.bfloat16, cpu) and lin.blocks is None
+    if cpu_multiplies_bfloat16():  # its own kernels multiply bfloat16 faster than rounding blocks
+        assert not blocks_take(torch.bfloat16, cpu)
+        small_steps = small_steps_take_blocks(torch.bfloat16, cpu) and kernel.dot_products
+        assert (lin.blocks is weight) == small_steps  # see the next test
         return
     assert blocks_take(torch.bfloat16, cpu) and lin.blocks is weight
     for rows in (1, BLOCK_MAX_ROWS + 1, 1000):  # every size: torch's bfloat16 matmul is emulated here
         x = torch.randn(rows, 128).bfloat16()
         assert lin.takes_block_kernel(x)
         assert lin(x).dtype == torch.bfloat16 and torch.equal(lin(x), kernel(x, weight))
+
+
+@pytest.mark.skipif(
+    not small_steps_take_blocks(torch.bfloat16, torch.device("cpu")),
+    reason="bfloat16 steps of one or two rows take the blocks on CPUs with AVX-512 BF16 and no AMX",
+)
+@pytest.mark.parametrize("type_", [Q4_1, Q8_0, Q6_K])
+def test_bfloat16_steps_of_one_or_two_rows_take_the_blocks_dot_products(
+    kernel: BlockLinear, type_: int
+) -> None:
+    """Where the CPU multiplies bfloat16 with AVX-512 BF16, the bfloat16 build streams on dot
+    products, and a bfloat16 linear keeps its blocks for steps of up to SMALL_STEP_ROWS rows only:
+    the pair-layout kernel (here F.linear: not packed) takes the others, on the same rounded weights."""
+    assert kernel.dot_products
+    k = whole(type_, 256)
+    weight = block_weight(type_, 40, k, seed=9)
+    as_bf16 = weight.dequantize().bfloat16()
+    lin = Linear(as_bf16, None, packed=False, blocks=weight)
+    assert lin.blocks is weight and lin.block_max_rows == SMALL_STEP_ROWS
+    for rows in (1, SMALL_STEP_ROWS, SMALL_STEP_ROWS + 1, 7):
+        x = torch.randn(rows, k).bfloat16()
+        assert lin.takes_block_kernel(x) == (rows <= SMALL_STEP_ROWS)
+        got = lin(x)
+        if rows <= SMALL_STEP_ROWS:
+            assert torch.equal(got, kernel(x, weight))
+        # The same products of bfloat16 values, summed in another order, rounded once.
+        want = x.double() @ as_bf16.double().T
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-5)
+    # A weight held as blocks alone (--dense-weights drop) takes them at every size.
+    alone = Linear(torch.empty(40, k, dtype=torch.bfloat16, device="meta"), None, packed=False, blocks=weight)
+    assert alone.blocks_only and alone.takes_block_kernel(torch.randn(64, k).bfloat16())
 
 
 @pytest.fixture(scope="module")

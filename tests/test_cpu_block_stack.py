@@ -19,7 +19,14 @@ from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import KVCache, allocate_kv_cache
-from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel, cpu_multiplies_bfloat16, packed_linear_available
+from gpu_worker.linear import (
+    BLOCK_MAX_ROWS,
+    SMALL_STEP_ROWS,
+    block_kernel,
+    cpu_multiplies_bfloat16,
+    packed_linear_available,
+    small_steps_take_blocks,
+)
 from gpu_worker.loader import load_block_weights, load_model
 from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.model_config import ModelConfig
@@ -125,6 +132,48 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     assert got.dtype == dtype and torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.mark.skipif(
+    not small_steps_take_blocks(torch.bfloat16, CPU),
+    reason="bfloat16 steps of one or two rows take the blocks on CPUs with AVX-512 BF16 and no AMX",
+)
+def test_small_bfloat16_steps_take_the_block_stack_and_the_others_the_pairs(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the CPU multiplies bfloat16 with AVX-512 BF16, a bfloat16 model keeps its linears'
+    blocks beside the pair layouts: decode steps of one or two sequences run on the block stack
+    (the blocks' dot products), larger ones on the pair-layout stack, each bit for bit the per-op
+    path, whose linears choose the same kernels by the step's rows."""
+    config, weights, block_weights = smollm2
+
+    def loaded(stacks: bool) -> LlamaModel:
+        model = LlamaModel(config, torch.bfloat16, CPU)
+        model.load_weights(weights, block_weights)
+        attention = make_attention("cpu", config, torch.bfloat16, CPU, BLOCK_SIZE)
+        assert isinstance(attention, CpuPagedAttention)
+        assert attention.small_decode_stack is not None and attention.small_decode_stack.blocks
+        assert attention.decode_stack is not None and not attention.decode_stack.blocks
+        if not stacks:
+            attention.decode_stack = attention.small_decode_stack = None
+        model.use_attention(attention)
+        return model
+
+    stacked, per_op = loaded(stacks=True), loaded(stacks=False)
+    assert all(linear.blocks is not None for linear in stacked.linears())
+    counting = CountingRuns(monkeypatch)
+    for rows in (1, SMALL_STEP_ROWS, SMALL_STEP_ROWS + 1, 8):
+        stacked_cache, per_op_cache = (
+            filled_cache(config, torch.bfloat16),
+            filled_cache(config, torch.bfloat16),
+        )
+        batch = decode_batch(rows)
+        got, want = stacked(batch, stacked_cache), per_op(batch, per_op_cache)
+        assert torch.equal(got, want), rows
+        for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
+            assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    assert counting.on_blocks == [True, True, False, False]
 
 
 def mixed_parts(
@@ -397,15 +446,19 @@ def test_dense_weights_setting_chooses_the_weights_held_as_blocks_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--dense-weights: keep holds every dense copy; drop none where blocks can serve; auto drops
-    them in bfloat16 (the blocks take every step there) and in float32 only when the float32 and
-    packed copies would take more than a quarter of the free memory."""
+    them in bfloat16 where the blocks take every step (a CPU that cannot multiply bfloat16; where
+    it can, the pair-layout and oneDNN kernels multiply the dense copies), and in float32 only when
+    the float32 and packed copies would take more than a quarter of the free memory."""
     config, _, blocks = smollm2
     every = blocks_only_weights(config, blocks)
     assert len(every) == 7 * config.num_layers  # q, k, v, o, gate, up, down; not the tied head
     choose = startup.choose_blocks_only
     assert choose("keep", torch.float32, config, blocks, CPU) == set()
     assert choose("drop", torch.float32, config, blocks, CPU) == every
-    assert choose("auto", torch.bfloat16, config, blocks, CPU) == every
+    assert choose("auto", torch.bfloat16, config, blocks, CPU) == (
+        set() if cpu_multiplies_bfloat16() else every
+    )
+    assert choose("drop", torch.bfloat16, config, blocks, CPU) == every
     assert choose("auto", torch.float32, config, {}, CPU) == set()
     copies = 2 if packed_linear_available(torch.float32, CPU) else 1
     dense_bytes = copies * 4 * sum(weight.numel() for name, weight in smollm2[1].items() if name in every)

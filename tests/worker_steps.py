@@ -287,14 +287,17 @@ class SchedulerScript:
 
 
 class CountingRuns:
-    """Counts BoundStack.run calls (decode steps that took a one-call decode stack)."""
+    """Counts BoundStack.run calls (decode steps that took a one-call decode stack), and says for
+    each whether that stack multiplied on blocks (`on_blocks`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.runs = 0
+        self.on_blocks: list[bool] = []
         original = BoundStack.run
 
         def run(bound: BoundStack, *args: Any, **kwargs: Any) -> torch.Tensor:
             self.runs += 1
+            self.on_blocks.append(bound.stack.blocks)
             return original(bound, *args, **kwargs)
 
         monkeypatch.setattr(BoundStack, "run", run)
