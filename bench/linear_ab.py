@@ -9,7 +9,8 @@ bfloat16 as BF16 blocks (what float32 serving of a bfloat16 checkpoint streams).
 With `--dtype bfloat16`, on a CPU that multiplies bfloat16 (AVX-512 BF16 or AMX): oneDNN's packed
 bfloat16 kernel, the pair-layout kernel (kernels/cpu_pair_linear.py, which the worker takes there
 for steps of up to 64 rows) and the block kernel's bfloat16 entry on the GGUF blocks (what the
-worker takes on CPUs without them).
+worker takes on CPUs without them, and for steps of 1-2 rows on CPUs with AVX-512 BF16 but no
+AMX, where its dot products beat the pair-layout kernel there).
 
 Each pass streams every weight once, as a decode step does; the paths take turns, medians of 5.
 """

@@ -42,6 +42,8 @@ from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load
 
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
+STREAM_ROWS = 6  # block_linear.c's: up to this many rows of x stream each weight row once
+DOT_ROWS_WITH_AMX = 2  # see dot_rows
 
 
 class CodebookTables(NamedTuple):
@@ -133,6 +135,14 @@ class BlockLinear:
         query = getattr(library, "duoserve_block_linear_bf16_dot_products", None)
         return query is not None and bool(query())
 
+    def dot_rows(self, rows: int = -1) -> int:
+        """The most rows of x the bfloat16 build multiplies on dot products (0 where it has none;
+        open_library sets it from dot_rows()); with `rows` >= 0, first sets it to that (at most
+        STREAM_ROWS), for the whole process."""
+        library = self.library if self.library is not None else _library(torch.bfloat16)
+        limit = getattr(library, "duoserve_block_linear_bf16_dot_rows", None)
+        return 0 if limit is None else int(limit(rows))
+
     def __call__(self, x: torch.Tensor, weight: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
         require(
             x.dim() == 2
@@ -214,6 +224,14 @@ def _library(dtype: torch.dtype) -> ctypes.CDLL:
         return _loaded[dtype]
 
 
+def dot_rows() -> int:
+    """The most rows of x the bfloat16 build multiplies on AVX-512 BF16 dot products (where it
+    has them), the rest widened and rounded: 2 on a CPU with AMX (measured on an Intel Xeon, where
+    the dot products lost 4-11% at 4-6 rows and won 5-14% at 1-2), else every streamed row (6;
+    on a Zen 4 they won 32-42% at 1-6 rows). bench/block_linear_ab.py measures both."""
+    return DOT_ROWS_WITH_AMX if cpu_has("amx_bf16") else STREAM_ROWS
+
+
 def open_library(dtype: torch.dtype, sources: Path = SOURCES) -> ctypes.CDLL:
     """The library built from `sources` (another revision's kernels/cpu, for a benchmark's A/B)
     for x in `dtype`, its codebooks handed over and its entries typed."""
@@ -226,6 +244,10 @@ def open_library(dtype: torch.dtype, sources: Path = SOURCES) -> ctypes.CDLL:
         if hasattr(library, "duoserve_block_linear_bf16_dot_products"):  # not in older revisions
             library.duoserve_block_linear_bf16_dot_products.restype = ctypes.c_int
             library.duoserve_block_linear_bf16_dot_products.argtypes = []
+        if hasattr(library, "duoserve_block_linear_bf16_dot_rows"):
+            library.duoserve_block_linear_bf16_dot_rows.restype = ctypes.c_int
+            library.duoserve_block_linear_bf16_dot_rows.argtypes = [ctypes.c_int]
+            library.duoserve_block_linear_bf16_dot_rows(dot_rows())
     else:
         entry = library.duoserve_block_linear
         library.duoserve_block_dequantize.restype = ctypes.c_int

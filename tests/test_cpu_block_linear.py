@@ -60,7 +60,15 @@ from kernels.block_weights import (
     row_bytes,
     weights_per_block,
 )
-from kernels.cpu_block_linear import DTYPES, BlockLinear, KernelBuildError, load_block_linear, open_library
+from kernels.cpu_block_linear import (
+    DTYPES,
+    STREAM_ROWS,
+    BlockLinear,
+    KernelBuildError,
+    dot_rows,
+    load_block_linear,
+    open_library,
+)
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 
@@ -254,6 +262,28 @@ def test_bfloat16_multiplies_the_bfloat16_weight(kernel: BlockLinear, type_: int
     same = got == torch.nn.functional.linear(x.float(), as_bf16.float(), bias.float()).bfloat16()
     assert same.float().mean() > 0.99
     assert torch.equal(kernel(x, weight)[:, :5], kernel(x, weight, torch.zeros_like(bias))[:, :5])
+
+
+@pytest.mark.parametrize("type_", [Q4_1, Q8_0, Q6_K])
+def test_bfloat16_dot_products_take_the_rows_they_are_set_to(kernel: BlockLinear, type_: int) -> None:
+    """Up to dot_rows() rows take the dot products where the build has them (2 with AMX, else all
+    6 streamed rows); the limit may be set from 0 to 6, and either path gives the product."""
+    if not kernel.dot_products:
+        assert kernel.dot_rows() == 0 == kernel.dot_rows(4)
+        return
+    assert kernel.dot_rows() == dot_rows() == (2 if cpu_has("amx_bf16") else STREAM_ROWS)
+    k = whole(type_, 576)
+    weight = block_weight(type_, 64, k, seed=type_)
+    as_bf16 = weight.dequantize().bfloat16()
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(type_)).bfloat16()
+    want = x.double() @ as_bf16.double().T
+    try:
+        for limit in (0, 4, 6):
+            assert kernel.dot_rows(limit) == limit and kernel.dot_rows() == limit
+            torch.testing.assert_close(kernel(x, weight).double(), want, rtol=2**-8, atol=1e-5)
+        assert kernel.dot_rows(100) == STREAM_ROWS
+    finally:
+        kernel.dot_rows(dot_rows())
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))

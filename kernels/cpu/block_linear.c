@@ -206,7 +206,9 @@ static void stream_rows(
  * order of the additions. Half the instructions of rounding each weight and multiplying x widened
  * to float32: SmolLM2's Q4_1 linears and Q8_0 head at one row 6.95 ms against 9.88 on a 2-core
  * Zen 4 (1.42x; 1.32-1.42x at 2-6 rows), and against the pair-layout kernel's 9.0 on the model's
- * bfloat16 copy (gpu_worker/linear.py takes it for steps of 1-2 rows there).
+ * bfloat16 copy (gpu_worker/linear.py takes it for steps of 1-2 rows there). On an Intel Xeon
+ * with AMX the same: 1.05-1.14x at 1-2 rows but 0.89-0.96x at 4-6, where the dot products, not
+ * the bytes, set the pace; kernels/cpu_block_linear.py sets dot_rows to 2 on such CPUs.
  */
 static inline __attribute__((always_inline)) void dot_pass(
     const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
@@ -264,6 +266,7 @@ static void dot_stream_rows(
 #undef OUTPUT
     }
 }
+static int dot_rows = STREAM_ROWS; /* set by duoserve_block_linear_bf16_dot_rows */
 #else
 #define DOT_BF16 0
 #endif
@@ -498,8 +501,8 @@ static __thread int64_t x_capacity = 0, y_capacity = 0, bias_capacity = 0;
  * duoserve_block_linear in bfloat16: x [rows, k] (row stride x_stride), bias [n] (or NULL) and
  * y [rows, n] (row stride y_stride) are bfloat16, and so are the weights: each widened weight is rounded to bfloat16,
  * the value a bfloat16 copy of the dequantized weight holds. The products and their sums are
- * float32 (x and the bias widen exactly); y is rounded to nearest even once. Up to STREAM_ROWS
- * rows on a CPU with AVX-512 BF16 take the dot products (DOT_BF16). Returns as
+ * float32 (x and the bias widen exactly); y is rounded to nearest even once. On a CPU with
+ * AVX-512 BF16, steps of up to dot_rows rows take the dot products (DOT_BF16). Returns as
  * duoserve_block_linear does.
  */
 int duoserve_block_linear_bf16(
@@ -513,7 +516,7 @@ int duoserve_block_linear_bf16(
     if (bias != NULL)
         for (int64_t o = 0; o < n; o++) bf[o] = bf16_to_float(bias[o]);
 #if DOT_BF16
-    if (rows <= STREAM_ROWS && known_type(type) && k % weights_per_block(type) == 0) { /* x as it is */
+    if (rows <= dot_rows && known_type(type) && k % weights_per_block(type) == 0) { /* x as it is */
         dot_stream_rows(x, x_stride, w, type, bf, yf, n, rows, n, k, threads);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < n; o++) y[r * y_stride + o] = float_to_bf16(yf[r * n + o]);
@@ -535,5 +538,19 @@ int duoserve_block_linear_bf16(
 int duoserve_block_linear_bf16_dot_products(void)
 {
     return DOT_BF16;
+}
+
+/* Steps of up to `rows` rows (at most STREAM_ROWS, the default) take the dot products, the others
+ * the rounding path; a negative `rows` leaves the limit as it is. Returns the limit now in force
+ * (0 where this build has no dot products). */
+int duoserve_block_linear_bf16_dot_rows(int rows)
+{
+#if DOT_BF16
+    if (rows >= 0) dot_rows = rows > STREAM_ROWS ? STREAM_ROWS : rows;
+    return dot_rows;
+#else
+    (void)rows;
+    return 0;
+#endif
 }
 #endif
