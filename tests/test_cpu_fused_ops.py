@@ -158,13 +158,12 @@ def smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return load_model(find_default_model())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_smollm2_fused_forward_matches_the_unfused_one(
-    smollm2: tuple[ModelConfig, dict[str, torch.Tensor]], dtype: torch.dtype
-) -> None:
-    """The cpu backend with its fused ops against the same backend without them (the unfused
-    torch path around the same C decode kernel), on one mixed batch."""
-    config, weights = smollm2
+Steps = tuple[list[ScheduledChunk], ...]
+
+
+def mixed_steps() -> tuple[Steps, int]:
+    """Prefills, decodes and a prompt in two chunks (whose first gives no logits), and the KV blocks
+    they take."""
     prompts = [list(range(200 + 7 * i, 200 + 7 * i + n)) for i, n in enumerate((19, 40, 33))]
     tables = [[0, 1], [2, 3, 4], [5, 6, 7]]
     first = [  # sequence 2 stops short of its prompt's end: no logits for it
@@ -177,30 +176,74 @@ def test_smollm2_fused_forward_matches_the_unfused_one(
         ScheduledChunk([12], 40, tables[1], True),
         ScheduledChunk(prompts[2][20:], 20, tables[2], True),
     ]
-    logits = {}
+    return (first, second), 8
+
+
+def random_steps(seed: int, sequences: int = 8) -> tuple[Steps, int]:
+    """Prompts of 10-60 random tokens, then one decode each: 2 * `sequences` rows of logits."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, 61, (sequences,), generator=gen).tolist()
+    first, second, used = [], [], 0
+    for n in lengths:
+        table = list(range(used, used + -(-(n + 1) // 16)))
+        used += len(table)
+        first.append(ScheduledChunk(torch.randint(100, 40000, (n,), generator=gen).tolist(), 0, table, True))
+        second.append(ScheduledChunk([int(torch.randint(100, 40000, (1,), generator=gen))], n, table, True))
+    return (first, second), used
+
+
+def forward_paths(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, runs: list[tuple[Steps, int]]
+) -> dict[str, list[torch.Tensor]]:
+    """Each run's logits, step by step, on the cpu backend with its fused ops ("fused"), without
+    them in `dtype` (the unfused torch path around the same C decode kernel) and without them in
+    float32."""
+    logits: dict[str, list[torch.Tensor]] = {}
     for name, step_dtype in (("fused", dtype), ("unfused", dtype), ("float32", torch.float32)):
         model = LlamaModel(config, step_dtype, "cpu")
         model.load_weights(weights)
         attention = make_attention("cpu", config, step_dtype, torch.device("cpu"), 16)
         assert isinstance(attention, CpuPagedAttention) and attention.fused_ops is not None
-        if name != "fused":  # the unfused torch path around the same C decode kernel
+        if name != "fused":
             attention = CpuPagedAttention(
                 config.num_heads, config.num_kv_heads, config.head_dim, kernel=attention.kernel
             )
         model.use_attention(attention)
         assert (model.fused_ops is not None) == (name == "fused")
-        kv = allocate_kv_cache(config, 16, 16, step_dtype, torch.device("cpu"))
-        logits[name] = [model(build_forward_batch(step, 16, "cpu"), kv).float() for step in (first, second)]
-    for with_ops, without, exact in zip(logits["fused"], logits["unfused"], logits["float32"], strict=True):
+        logits[name] = []
+        for steps, blocks in runs:
+            kv = allocate_kv_cache(config, blocks, 16, step_dtype, torch.device("cpu"))
+            logits[name] += [model(build_forward_batch(step, 16, "cpu"), kv).float() for step in steps]
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smollm2_fused_forward_matches_the_unfused_one(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """The cpu backend with its fused ops against the same backend without them, on one mixed
+    batch; in bfloat16 also on three batches of random prompts, for the drift from float32."""
+    config, weights = smollm2
+    mixed = forward_paths(config, weights, dtype, [mixed_steps()])
+    for with_ops, without in zip(mixed["fused"], mixed["unfused"], strict=True):
         assert with_ops.argmax(-1).tolist() == without.argmax(-1).tolist()
         if dtype == torch.float32:  # the same function to rounding
             torch.testing.assert_close(with_ops, without, rtol=1e-3, atol=1e-3)
             assert float((with_ops - without).abs().mean()) < 1e-4
-            continue
-        # bfloat16: the paths round alike op by op but reduce in other orders (the fused one's
-        # prefill attention is a C kernel, the unfused one's torch's), and over 30 layers each
-        # drifts from float32 by about 0.125 (a bfloat16 step at logits of 16..32) on many logits
-        # and by a few steps on some. The fused path must not drift further than the unfused one.
-        ours, theirs = (with_ops - exact).abs(), (without - exact).abs()
-        assert ours.max() <= 2 * theirs.max() + 0.25
-        assert ours.mean() <= 1.5 * theirs.mean() + 0.02
+    if dtype == torch.float32:
+        return
+    # bfloat16: the paths round alike op by op but reduce in other orders (the fused one's prefill
+    # attention is a C kernel that rounds its probabilities to bfloat16, the unfused one's torch's),
+    # and over 30 layers each drifts from float32 by about 0.125 (a bfloat16 step at logits of
+    # 16..32) on many logits and by a few steps on some. Which path drifts further on one sequence
+    # is a matter of chance (on 16 sequences the fused path's mean drift ran 0.90-1.49x the
+    # unfused one's, by the batch and the CPU's engine), so the bound is on 53 rows of logits: the
+    # fused path must not drift much further than the unfused one.
+    runs = forward_paths(config, weights, dtype, [random_steps(seed) for seed in range(3)])
+    rows = {name: torch.cat(mixed[name] + runs[name]) for name in mixed}
+    assert len(rows["fused"]) == 5 + 3 * 16
+    ours, theirs = (rows["fused"] - rows["float32"]).abs(), (rows["unfused"] - rows["float32"]).abs()
+    assert ours.mean() <= 1.5 * theirs.mean() + 0.02
+    assert ours.max() <= 3 * theirs.max() + 0.25
+    agree = (rows["fused"].argmax(-1) == rows["unfused"].argmax(-1)).float().mean()
+    assert agree >= 0.9, f"the paths' greedy tokens agree on {agree:.0%} of the rows"
