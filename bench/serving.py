@@ -7,6 +7,8 @@
 
 Each server configuration is launched in turn (``duoserve serve`` from this venv), run
 against the same seeded prompts (sent as token ids, greedy, ignore_eos), and stopped;
+each workload, each arrival rate and the warm-up draw prompts of their own, so that no run
+finds its prompts in the prefix cache an earlier one filled;
 transformers then runs the same token ids in static left-padded batches. With ``--rounds N``
 the servers run side by side (only one is sent requests at a time) and take turns, so drift in
 the machine's speed falls on both configs of a round alike. Throughput is
@@ -44,6 +46,7 @@ from workloads import (
     default_gguf,
     load_tokenizer,
     random_prompts,
+    run_seed,
     workload_specs,
 )
 
@@ -76,8 +79,8 @@ class ServerConfig:
             values[key.strip().removeprefix("--")] = value.strip() if sep else None
         dtype = values.pop("dtype", None) or "auto"
         flags = []
-        for key, value in values.items():
-            flags += [f"--{key}"] if value is None else [f"--{key}", value]
+        for key, setting in values.items():
+            flags += [f"--{key}"] if setting is None else [f"--{key}", setting]
         return cls(label=text, dtype=dtype, flags=tuple(flags))
 
 
@@ -91,6 +94,7 @@ class RequestResult:
     first_token: float | None = None
     last_token: float | None = None
     token_ids: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # of the prompt, found in the server's prefix cache
     error: str | None = None
 
 
@@ -117,6 +121,7 @@ class RunSummary:
     tpot_p99: float | None = None
     e2e_p50: float | None = None
     e2e_p99: float | None = None
+    cached_prompt_tokens: int = 0
     first_error: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -170,6 +175,7 @@ def summarize(
         tpot_p99=percentile(tpot, 99),
         e2e_p50=percentile(e2e, 50),
         e2e_p99=percentile(e2e, 99),
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in results),
         first_error=errors[0] if errors else None,
     )
 
@@ -197,6 +203,8 @@ async def _one_request(
                         result.first_token = now
                     result.last_token = now
                     result.token_ids.extend(chunk.token_ids)
+                if chunk.usage is not None:
+                    result.cached_prompt_tokens = chunk.usage.cached_prompt_tokens
     except DuoserveError as err:
         result.error = f"{err.code.name}: {err.details}"
 
@@ -350,11 +358,35 @@ def triton_compiled_kernels() -> int:
     return sum(1 for path in root.glob("*/*.json") if not path.name.startswith("__grp__"))
 
 
+@dataclass(slots=True)
+class RoundPrompts:
+    """The prompts of one round, drawn when first asked for: each workload's offline run (run 0),
+    its run at each arrival rate and the warm-up have their own seed (``run_seed``)."""
+
+    tokenizer: Any
+    specs: dict[str, WorkloadSpec]
+    names: list[str]
+    seed: int
+    drawn: dict[tuple[str, int], list[list[int]]] = field(default_factory=dict)
+
+    def of(self, name: str, run: int = 0) -> list[list[int]]:
+        if (name, run) not in self.drawn:
+            spec = self.specs[name]
+            seed = run_seed(self.seed, name, run)
+            self.drawn[name, run] = random_prompts(self.tokenizer, spec.num_requests, spec.input_len, seed)
+        return self.drawn[name, run]
+
+    def warmup(self) -> list[int]:
+        """A prompt as long as the first workload's that no run sends."""
+        input_len = self.specs[self.names[0]].input_len
+        return random_prompts(self.tokenizer, 1, input_len, run_seed(self.seed, "warmup"))[0]
+
+
 def bench_server(
     target: str,
     label: str,
     args: argparse.Namespace,
-    workloads: dict[str, list[list[int]]],
+    prompts: RoundPrompts,
     specs: dict[str, WorkloadSpec],
     metrics_url: str | None = None,
     server_pid: int | None = None,
@@ -366,19 +398,26 @@ def bench_server(
     with Client(target) as client:
         info = dataclasses.asdict(client.list_models()[0])
         if args.warmup:
-            first = workloads[next(iter(workloads))][0]
-            client.generate(prompt_token_ids=first, max_tokens=min(8, args.output_len), ignore_eos=True)
+            warmup = prompts.warmup()
+            client.generate(prompt_token_ids=warmup, max_tokens=min(8, args.output_len), ignore_eos=True)
     summaries, outputs = [], {}
-    for name, prompts in workloads.items():
+    for name in prompts.names:
         # Arrival times mean nothing for a single request: it runs offline only.
-        for rate in [None, *args.rate] if len(prompts) > 1 else [None]:
+        rates = [None, *args.rate] if specs[name].num_requests > 1 else [None]
+        for run, rate in enumerate(rates):
             mode = "offline" if rate is None else f"poisson@{rate:g}/s"
-            requests = build_requests(prompts, specs[name].output_len, rate, args.seed)
+            requests = build_requests(prompts.of(name, run), specs[name].output_len, rate, args.seed)
             before = worker_seconds(metrics_url)
             compiled = triton_compiled_kernels()
             results = asyncio.run(run_duoserve(target, requests, args.request_timeout))
             summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
             print_rows(summaries[-1:])
+            if summaries[-1].cached_prompt_tokens:
+                print(
+                    f"#   {summaries[-1].cached_prompt_tokens} of {summaries[-1].input_tokens} prompt tokens "
+                    "were in the prefix cache already",
+                    flush=True,
+                )
             summaries[-1].extra["worker_seconds"] = print_worker_split(before, worker_seconds(metrics_url))
             if server_pid is not None:
                 compiles = triton_compiled_kernels() - compiled
@@ -665,11 +704,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = workload_specs(args.num_requests, args.input_len, args.output_len)
     tokenizer = load_tokenizer(args.model)
 
-    def prompts_of_seed(seed: int) -> dict[str, list[list[int]]]:
-        return {
-            name: random_prompts(tokenizer, specs[name].num_requests, specs[name].input_len, seed)
-            for name in args.workloads
-        }
+    def prompts_of_seed(seed: int) -> RoundPrompts:
+        return RoundPrompts(tokenizer, specs, list(args.workloads), seed)
 
     workloads = prompts_of_seed(args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -740,8 +776,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             served = [c.dtype if c.dtype != "auto" else "float32" for c in configs]
         for dtype in dict.fromkeys(served):
             model, device = load_transformers_model(args, dtype)
-            for name, prompts in workloads.items():
-                summary, outputs = run_transformers(model, device, args, dtype, specs[name], prompts, pad_id)
+            for name in workloads.names:
+                summary, outputs = run_transformers(
+                    model, device, args, dtype, specs[name], workloads.of(name), pad_id
+                )
                 summaries.append(summary)
                 print_rows([summary])
                 if (dtype, name) in duo_outputs:

@@ -76,7 +76,16 @@ def ordinary_token_ids(tokenizer: Any) -> list[int]:
     return [i for i in range(len(tokenizer)) if i not in excluded]
 
 
-def random_prompts(tokenizer: Any, num: int, input_len: int, seed: int = DEFAULT_SEED) -> list[list[int]]:
+def run_seed(seed: int, workload: str, run: int = 0) -> str:
+    """The prompt seed of one run of a workload (``run`` 0 is the offline run, then one per
+    arrival rate). Each run draws its own prompts, so none finds them in the prefix cache that
+    an earlier run or the warm-up filled: a cached prefix would skip most of its prefill."""
+    return f"{seed}/{workload}/{run}"
+
+
+def random_prompts(
+    tokenizer: Any, num: int, input_len: int, seed: int | str = DEFAULT_SEED
+) -> list[list[int]]:
     """``num`` prompts of exactly ``input_len`` token ids, the same for the same seed."""
     rng = random.Random(seed)
     pool = ordinary_token_ids(tokenizer)

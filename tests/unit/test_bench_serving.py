@@ -99,3 +99,38 @@ def test_triton_compiles_are_counted_from_the_cache_one_metadata_file_each(
         group.mkdir()
         (group / f"__grp__{name}.json").write_text("{}")
     assert serving.triton_compiled_kernels() == 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> object:
+    return serving.load_tokenizer(serving.default_gguf())
+
+
+def test_each_run_and_the_warmup_draw_prompts_of_their_own(tokenizer: object) -> None:
+    specs = serving.workload_specs(num_requests=4, input_len=24, output_len=2)
+    first = serving.RoundPrompts(tokenizer, specs, ["random", "single"], seed=0)
+    drawn = {
+        "random": first.of("random"),
+        "random at a rate": first.of("random", 1),
+        "single": first.of("single"),
+        "warm-up": [first.warmup()],
+        "next round": serving.RoundPrompts(tokenizer, specs, ["random"], seed=1).of("random"),
+    }
+    assert [len(p) for p in drawn["random"]] == [24] * 4 and len(drawn["single"]) == 1
+    prompts = [tuple(p) for batch in drawn.values() for p in batch]
+    assert len(set(prompts)) == len(prompts) == 4 + 4 + 1 + 1 + 4
+    # The same round asks again, or another process draws the same seed: the same prompts.
+    assert first.of("random") is drawn["random"]
+    assert serving.RoundPrompts(tokenizer, specs, ["single"], seed=0).of("single") == drawn["single"]
+
+
+def test_a_run_counts_the_prompt_tokens_found_in_the_prefix_cache() -> None:
+    spec = serving.WorkloadSpec("random", 2, 16, 2)
+    results = [
+        serving.RequestResult(
+            0, 16, sent=0.0, first_token=0.1, last_token=0.2, token_ids=[5, 6], cached_prompt_tokens=16
+        ),
+        serving.RequestResult(1, 16, sent=0.0, first_token=0.1, last_token=0.3, token_ids=[7, 8]),
+    ]
+    summary = serving.summarize("duoserve", "dtype=float32", "float32", spec, "offline", results)
+    assert summary.cached_prompt_tokens == 16 and summary.input_tokens == 32
