@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import re
+
 from protos import worker_pb2
-from protos.generate import stale_files
+from protos.generate import CLIENT_PROTO_DIR, PROTO_DIR, ROOT, stale_files
 from protos.running import RunningEntry, pack_running, unpack_running
 
 
 def test_generated_modules_are_up_to_date() -> None:
     assert stale_files() == [], "run `python -m protos.generate`; never edit generated modules by hand"
+
+
+def _requirements(pyproject: str) -> dict[str, str]:
+    """The quoted requirement strings of a pyproject.toml, by package name."""
+    specs = re.findall(r'"([A-Za-z0-9_.-]+(?:[<>=!~]=?)[^"]*)"', (ROOT / pyproject).read_text())
+    return {re.split(r"[<>=!~]", spec)[0]: spec for spec in specs}
+
+
+def test_the_declared_runtimes_are_those_the_generated_modules_accept() -> None:
+    """A generated module raises at import under an older grpcio or protobuf than its generator's,
+    so the declared floors are the generator's versions, and the generator is pinned."""
+    for folder in (PROTO_DIR, CLIENT_PROTO_DIR):
+        grpc_module = (folder / "inference_pb2_grpc.py").read_text()
+        grpc_version = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_module)
+        pb2_module = (folder / "inference_pb2.py").read_text()
+        pb2_version = re.search(r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", pb2_module)
+        assert grpc_version is not None and pb2_version is not None
+        major = pb2_version.group(1)
+        protobuf = f"protobuf>={'.'.join(pb2_version.groups())},<{int(major) + 1}"
+        for pyproject in ("pyproject.toml", "clients/python/pyproject.toml"):
+            requirements = _requirements(pyproject)
+            assert requirements["grpcio"] == f"grpcio>={grpc_version.group(1)}", pyproject
+            assert requirements["protobuf"] == protobuf, pyproject
+        assert _requirements("pyproject.toml")["grpcio-tools"] == f"grpcio-tools=={grpc_version.group(1)}"
 
 
 def test_running_sequences_pack_and_unpack_to_the_same_entries() -> None:
