@@ -22,6 +22,10 @@ def _requirements(pyproject: str) -> dict[str, str]:
 def test_the_declared_runtimes_are_those_the_generated_modules_accept() -> None:
     """A generated module raises at import under an older grpcio or protobuf than its generator's,
     so the declared floors are the generator's versions, and the generator is pinned."""
+    declared = {
+        pyproject: _requirements(pyproject)
+        for pyproject in ("pyproject.toml", "clients/python/pyproject.toml")
+    }
     for folder in (PROTO_DIR, CLIENT_PROTO_DIR):
         grpc_module = (folder / "inference_pb2_grpc.py").read_text()
         grpc_version = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_module)
@@ -30,11 +34,10 @@ def test_the_declared_runtimes_are_those_the_generated_modules_accept() -> None:
         assert grpc_version is not None and pb2_version is not None
         major = pb2_version.group(1)
         protobuf = f"protobuf>={'.'.join(pb2_version.groups())},<{int(major) + 1}"
-        for pyproject in ("pyproject.toml", "clients/python/pyproject.toml"):
-            requirements = _requirements(pyproject)
+        for pyproject, requirements in declared.items():
             assert requirements["grpcio"] == f"grpcio>={grpc_version.group(1)}", pyproject
             assert requirements["protobuf"] == protobuf, pyproject
-        assert _requirements("pyproject.toml")["grpcio-tools"] == f"grpcio-tools=={grpc_version.group(1)}"
+        assert declared["pyproject.toml"]["grpcio-tools"] == f"grpcio-tools=={grpc_version.group(1)}"
 
 
 def test_running_sequences_pack_and_unpack_to_the_same_entries() -> None:
