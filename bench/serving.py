@@ -13,6 +13,9 @@ transformers then runs the same token ids in static left-padded batches. With ``
 the servers run side by side (only one is sent requests at a time) and take turns, so drift in
 the machine's speed falls on both configs of a round alike. Throughput is
 output tokens / wall time from the first request sent to the last token received.
+Greedy outputs are compared with transformers' of the same dtype; where one differs, the
+first differing token is weighed in transformers' logits (``divergence_gaps``): a gap of a
+rounding step or two is a near-tie, not an error.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -610,6 +614,48 @@ def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str
     return {"identical": same / n, "mean_common_prefix": prefix / n}
 
 
+def divergence_gaps(
+    model: Any, device: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
+) -> list[dict[str, float]]:
+    """At each output's first token that differs from transformers', how far duoserve's token lay
+    below transformers' own choice in transformers' logits (one forward of the prompt and the
+    tokens both chose), beside the logits' rounding step there. A gap within a few rounding steps
+    is a near-tie that two correct engines can break apart; a wide one is an error."""
+    import torch
+
+    gaps = []
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if at is None:
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + b[:at]], device=device)).logits[0, -1]
+        top = float(logits.max())
+        step = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
+        gaps.append(
+            {
+                "index": at,
+                "gap": float(logits[b[at]] - logits[a[at]]),
+                "top_logit": top,
+                "rounding_step": step,
+            }
+        )
+    return gaps
+
+
+def summarize_gaps(gaps: list[dict[str, float]]) -> dict[str, float | int | None]:
+    """The divergences' count and their gaps' median and largest, in logits and in rounding steps."""
+    if not gaps:
+        return {"divergences": 0, "gap_median": None, "gap_max": None, "gap_max_steps": None}
+    values = [g["gap"] for g in gaps]
+    return {
+        "divergences": len(gaps),
+        "gap_median": statistics.median(values),
+        "gap_max": max(values),
+        "gap_max_steps": max(g["gap"] / g["rounding_step"] for g in gaps),
+    }
+
+
 # -- command line -------------------------------------------------------------------------------
 
 
@@ -783,7 +829,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 summaries.append(summary)
                 print_rows([summary])
                 if (dtype, name) in duo_outputs:
-                    agreement[f"{dtype}/{name}"] = greedy_agreement(duo_outputs[(dtype, name)], outputs)
+                    ours = duo_outputs[(dtype, name)]
+                    gaps = divergence_gaps(model, device, workloads.of(name), ours, outputs)
+                    agreement[f"{dtype}/{name}"] = {
+                        **greedy_agreement(ours, outputs),
+                        **summarize_gaps(gaps),
+                        "gaps": gaps,
+                    }
         print("\n# duoserve / transformers output tok/s (offline)")
         for row in ratios(summaries):
             value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
@@ -791,6 +843,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, match in agreement.items():
             print(f"  greedy agreement {key}: identical {match['identical']:.0%}, "
                   f"mean common prefix {match['mean_common_prefix']:.0%}")  # fmt: skip
+            if match["divergences"]:
+                print(
+                    f"    first divergences ({match['divergences']}): transformers' logit of its own token over "
+                    f"duoserve's, median {match['gap_median']:.4f}, largest {match['gap_max']:.4f} "
+                    f"({match['gap_max_steps']:.1f} rounding steps of the logits there)"
+                )
 
     if args.json:
         record = {

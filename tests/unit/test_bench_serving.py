@@ -134,3 +134,47 @@ def test_a_run_counts_the_prompt_tokens_found_in_the_prefix_cache() -> None:
     ]
     summary = serving.summarize("duoserve", "dtype=float32", "float32", spec, "offline", results)
     assert summary.cached_prompt_tokens == 16 and summary.input_tokens == 32
+
+
+def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens() -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    with torch.inference_mode():
+        theirs = [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=3, min_new_tokens=3)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+        logits = model(torch.tensor([prompts[0] + theirs[0][:1]])).logits[0, -1]
+    first, runner_up = torch.topk(logits, 2).indices.tolist()
+    assert first == theirs[0][1]
+    ours = [
+        [theirs[0][0], runner_up, theirs[0][2]],
+        list(theirs[1]),
+    ]  # the first diverges at its second token
+
+    gaps = serving.divergence_gaps(model, "cpu", prompts, ours, theirs)
+
+    assert len(gaps) == 1 and gaps[0]["index"] == 1
+    assert gaps[0]["gap"] == pytest.approx(float(logits[first] - logits[runner_up]))
+    assert gaps[0]["gap"] > 0
+    top = float(logits[first])
+    assert gaps[0]["top_logit"] == pytest.approx(top)
+    assert (
+        abs(top) * torch.finfo(torch.float32).eps / 2
+        < gaps[0]["rounding_step"]
+        <= abs(top) * torch.finfo(torch.float32).eps
+    )
+    summary = serving.summarize_gaps(gaps)
+    assert summary["divergences"] == 1 and summary["gap_max"] == pytest.approx(gaps[0]["gap"])
+    assert summary["gap_max_steps"] == pytest.approx(gaps[0]["gap"] / gaps[0]["rounding_step"])
+    assert serving.summarize_gaps([])["divergences"] == 0
