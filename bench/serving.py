@@ -483,7 +483,9 @@ def run_transformers(
                 input_ids=input_ids,  # [B, S] left-padded
                 attention_mask=mask,
                 do_sample=False,
-                min_new_tokens=new_tokens,
+                # No end-of-sequence token: one is taken like any other, as the server's ignore_eos
+                # does (min_new_tokens would instead forbid it, and choose the runner-up).
+                eos_token_id=None,
                 max_new_tokens=new_tokens,
                 pad_token_id=pad_id,
             )

@@ -178,3 +178,29 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
     assert summary["divergences"] == 1 and summary["gap_max"] == pytest.approx(gaps[0]["gap"])
     assert summary["gap_max_steps"] == pytest.approx(gaps[0]["gap"] / gaps[0]["rounding_step"])
     assert serving.summarize_gaps([])["divergences"] == 0
+
+
+def test_transformers_takes_an_end_of_sequence_token_like_any_other_as_ignore_eos_does() -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    prompt = [1, 2, 3, 4]
+    with torch.inference_mode():  # greedy by hand, one full forward a token
+        free = list(prompt)
+        for _ in range(6):
+            free.append(int(model(torch.tensor([free])).logits[0, -1].argmax()))
+    free = free[len(prompt) :]
+    model.generation_config.eos_token_id = free[2]  # greedy reaches "end of sequence" at its third token
+    args = serving.build_parser().parse_args(["--no-warmup"])
+    serving.resolve_sizes(args)
+    spec = serving.WorkloadSpec("single", num_requests=1, input_len=len(prompt), output_len=6)
+
+    _, outputs = serving.run_transformers(model, "cpu", args, "float32", spec, [prompt], pad_id=0)
+
+    assert outputs == [free]
