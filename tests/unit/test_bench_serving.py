@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,7 +137,8 @@ def test_a_run_counts_the_prompt_tokens_found_in_the_prefix_cache() -> None:
     assert summary.cached_prompt_tokens == 16 and summary.input_tokens == 32
 
 
-def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens() -> None:
+def _tiny_llama() -> Any:
+    """A random two-layer Llama of 64 tokens, the same for every call."""
     import torch
     import transformers
 
@@ -145,15 +147,27 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _greedy_by_forward(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy tokens after `prompt`, one full forward a token: no end-of-sequence rule."""
+    import torch
+
+    ids = list(prompt)
     with torch.inference_mode():
-        theirs = [
-            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=3, min_new_tokens=3)[
-                0, len(p) :
-            ].tolist()
-            for p in prompts
-        ]
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens() -> None:
+    import torch
+
+    model = _tiny_llama()
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    theirs = [_greedy_by_forward(model, p, 3) for p in prompts]
+    with torch.inference_mode():
         logits = model(torch.tensor([prompts[0] + theirs[0][:1]])).logits[0, -1]
     first, runner_up = torch.topk(logits, 2).indices.tolist()
     assert first == theirs[0][1]
@@ -169,11 +183,8 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
     assert gaps[0]["gap"] > 0
     top = float(logits[first])
     assert gaps[0]["top_logit"] == pytest.approx(top)
-    assert (
-        abs(top) * torch.finfo(torch.float32).eps / 2
-        < gaps[0]["rounding_step"]
-        <= abs(top) * torch.finfo(torch.float32).eps
-    )
+    eps = torch.finfo(torch.float32).eps
+    assert abs(top) * eps / 2 < gaps[0]["rounding_step"] <= abs(top) * eps
     summary = serving.summarize_gaps(gaps)
     assert summary["divergences"] == 1 and summary["gap_max"] == pytest.approx(gaps[0]["gap"])
     assert summary["gap_max_steps"] == pytest.approx(gaps[0]["gap"] / gaps[0]["rounding_step"])
@@ -181,21 +192,9 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
 
 
 def test_transformers_takes_an_end_of_sequence_token_like_any_other_as_ignore_eos_does() -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama()
     prompt = [1, 2, 3, 4]
-    with torch.inference_mode():  # greedy by hand, one full forward a token
-        free = list(prompt)
-        for _ in range(6):
-            free.append(int(model(torch.tensor([free])).logits[0, -1].argmax()))
-    free = free[len(prompt) :]
+    free = _greedy_by_forward(model, prompt, 6)
     model.generation_config.eos_token_id = free[2]  # greedy reaches "end of sequence" at its third token
     args = serving.build_parser().parse_args(["--no-warmup"])
     serving.resolve_sizes(args)
