@@ -181,9 +181,10 @@ class Linear:
     `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take` or
     `small_steps_take_blocks`), steps take the block kernel where it loads: in float32 those of up
     to BLOCK_MAX_ROWS rows, in bfloat16 all of them, or those of up to SMALL_STEP_ROWS where the
-    CPU multiplies bfloat16 (`block_max_rows`). With `self_blocks`, a bfloat16 weight without quantized blocks is its
-    own blocks (the same values, no copy). A `weight` on the "meta" device (a shape, not read)
-    needs `blocks`, which then take every step (`blocks_only`).
+    CPU multiplies bfloat16 (`block_max_rows`). With `self_blocks`, where `blocks_take` bfloat16,
+    a bfloat16 weight without quantized blocks is its own blocks (the same values, no copy). A
+    `weight` on the "meta" device (a shape, not read) needs `blocks`, which then take every step
+    (`blocks_only`).
     """
 
     def __init__(
@@ -209,10 +210,14 @@ class Linear:
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
         self.blocks: Blocks | None = None
         self._block: BlockLinear | None = None
+        # A weight that is its own blocks reads as many bytes as its pair layout: only where the
+        # blocks take every step (`blocks_take`), not the small steps of a CPU that multiplies
+        # bfloat16, which gain from the fewer bytes of quantized blocks.
         if (
             self_blocks
             and not self.blocks_only
             and weight.dtype == torch.bfloat16
+            and blocks_take(weight.dtype, device)
             and (blocks is None or (isinstance(blocks, BlockWeight) and blocks.type == BF16))
             and weight.dim() == 2
             and weight.shape[1] % 32 == 0
