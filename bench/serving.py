@@ -605,13 +605,18 @@ def paired_ratios(summaries: Sequence[RunSummary], baseline: str) -> list[dict[s
     return rows
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (None where one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
     """How often duoserve's greedy outputs equal transformers' (exactly, and by common prefix)."""
     same, prefix = 0, 0.0
     for a, b in zip(ours, theirs, strict=True):
         same += a == b
-        common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        prefix += common / max(1, len(b))
+        common = first_difference(a, b)
+        prefix += (min(len(a), len(b)) if common is None else common) / max(1, len(b))
     n = max(1, min(len(ours), len(theirs)))
     return {"identical": same / n, "mean_common_prefix": prefix / n}
 
@@ -627,7 +632,7 @@ def divergence_gaps(
 
     gaps = []
     for prompt, a, b in zip(prompts, ours, theirs, strict=True):
-        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        at = first_difference(a, b)
         if at is None:
             continue
         with torch.inference_mode():

@@ -203,3 +203,12 @@ def test_transformers_takes_an_end_of_sequence_token_like_any_other_as_ignore_eo
     _, outputs = serving.run_transformers(model, "cpu", args, "float32", spec, [prompt], pad_id=0)
 
     assert outputs == [free]
+
+
+def test_greedy_agreement_counts_identical_outputs_and_the_common_prefix_of_the_others() -> None:
+    ours = [[1, 2, 3, 4], [1, 2, 9, 9], [1, 2]]  # the same; differs at its third token; cut after two
+    theirs = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]
+    match = serving.greedy_agreement(ours, theirs)
+    assert match["identical"] == pytest.approx(1 / 3)
+    assert match["mean_common_prefix"] == pytest.approx((1 + 0.5 + 0.5) / 3)
+    assert [serving.first_difference(a, b) for a, b in zip(ours, theirs, strict=True)] == [None, 2, None]
