@@ -651,15 +651,18 @@ def divergence_gaps(
 
 
 def summarize_gaps(gaps: list[dict[str, float]]) -> dict[str, float | int | None]:
-    """The divergences' count and their gaps' median and largest, in logits and in rounding steps."""
+    """The divergences' count, their gaps' median and largest (in logits and in rounding steps),
+    and how many have a negative gap: there transformers' one forward over the agreed prefix
+    ranks duoserve's token above the one its own generate chose."""
     if not gaps:
-        return {"divergences": 0, "gap_median": None, "gap_max": None, "gap_max_steps": None}
+        return {"divergences": 0, "gap_median": None, "gap_max": None, "gap_max_steps": None, "reversed": 0}
     values = [g["gap"] for g in gaps]
     return {
         "divergences": len(gaps),
         "gap_median": statistics.median(values),
         "gap_max": max(values),
         "gap_max_steps": max(g["gap"] / g["rounding_step"] for g in gaps),
+        "reversed": sum(value < 0 for value in values),
     }
 
 
@@ -854,7 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(
                     f"    first divergences ({match['divergences']}): transformers' logit of its own token over "
                     f"duoserve's, median {match['gap_median']:.4f}, largest {match['gap_max']:.4f} "
-                    f"({match['gap_max_steps']:.1f} rounding steps of the logits there)"
+                    f"({match['gap_max_steps']:.1f} rounding steps of the logits there); in {match['reversed']} "
+                    "transformers' one forward itself ranks duoserve's token first"
                 )
 
     if args.json:

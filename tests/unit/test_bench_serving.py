@@ -188,6 +188,9 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
     summary = serving.summarize_gaps(gaps)
     assert summary["divergences"] == 1 and summary["gap_max"] == pytest.approx(gaps[0]["gap"])
     assert summary["gap_max_steps"] == pytest.approx(gaps[0]["gap"] / gaps[0]["rounding_step"])
+    assert summary["reversed"] == 0
+    swapped = serving.summarize_gaps(serving.divergence_gaps(model, "cpu", prompts, theirs, ours))
+    assert swapped["reversed"] == 1 and swapped["gap_max"] == pytest.approx(-gaps[0]["gap"])
     assert serving.summarize_gaps([])["divergences"] == 0
 
 
