@@ -307,8 +307,8 @@ def launched_server(
             process.wait()
 
 
-WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging", "exposed_staging_full")
-WORKER_STEP_COUNTERS = ("steps", "forecast_steps")
+WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging", "exposed_staging_full", "decode_busy")
+WORKER_STEP_COUNTERS = ("steps", "forecast_steps", "decode_steps")
 
 
 def worker_seconds(metrics_url: str | None) -> dict[str, float]:
@@ -350,7 +350,25 @@ def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dic
             ),
             flush=True,
         )
+    split = step_kinds(delta)
+    if split:
+        print("#   worker steps: " + split, flush=True)
     return delta
+
+
+def step_kinds(delta: dict[str, float]) -> str:
+    """The run's decode steps (every sequence one token) and other steps (with prompt tokens): how
+    many, and their mean compute time; empty where the server does not count decode steps."""
+    if not {"busy", "steps", "decode_busy", "decode_steps"} <= delta.keys():
+        return ""
+    kinds = []
+    for name, steps, busy in (
+        ("decode", delta["decode_steps"], delta["decode_busy"]),
+        ("with prompt tokens", delta["steps"] - delta["decode_steps"], delta["busy"] - delta["decode_busy"]),
+    ):
+        mean = f", {1000 * busy / steps:.1f} ms each" if steps > 0 else ""
+        kinds.append(f"{steps:.0f} {name} ({busy:.2f} s{mean})")
+    return ", ".join(kinds)
 
 
 def triton_compiled_kernels() -> int:

@@ -56,10 +56,17 @@ class WorkerTimes:
     exposed_staging_full: float = 0.0  # of it, in steps staged in full (not from a forecast)
     steps: int = 0
     forecast_steps: int = 0  # staged from the worker's forecast of them
+    # Of busy and steps, those of decode steps: every sequence in them computed one token.
+    decode_busy: float = 0.0
+    decode_steps: int = 0
     recent: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
 
-    def add(self, result: worker_pb2.StepResult) -> None:
+    def add(self, result: worker_pb2.StepResult, decode: bool = False) -> None:
+        """Count one step's result; `decode`: every sequence in the step computed one token."""
         self.busy += result.compute_seconds
+        if decode:
+            self.decode_busy += result.compute_seconds
+            self.decode_steps += 1
         self.wait += result.wait_seconds
         self.staging += result.staging_seconds
         self.exposed_staging += result.exposed_staging_seconds
@@ -372,7 +379,7 @@ class Engine:
             return
         if batch.lane != self._urgent_lane:
             self._free_lanes.append(batch.lane)
-        self.worker_times.add(result)
+        self.worker_times.add(result, decode=all(scheduled.num_new_tokens == 1 for scheduled in batch.seqs))
         finished, tokens = self.outputs.apply(batch, result)
         for scheduled in batch.seqs:
             if scheduled.request.trace is not None:

@@ -75,6 +75,16 @@ class EngineCollector(Collector):
             ),
             CounterMetricFamily("duoserve_worker_steps", "Steps the worker executed", value=times.steps),
             CounterMetricFamily(
+                "duoserve_worker_decode_busy_seconds",
+                "Of the worker's compute time, that of decode steps (every sequence one token)",
+                value=times.decode_busy,
+            ),
+            CounterMetricFamily(
+                "duoserve_worker_decode_steps",
+                "Of the steps, the decode steps (every sequence one token)",
+                value=times.decode_steps,
+            ),
+            CounterMetricFamily(
                 "duoserve_worker_forecast_steps",
                 "Steps the worker staged from its forecast of them, built while the step before computed",
                 value=times.forecast_steps,

@@ -437,6 +437,14 @@ def test_bytes_that_are_no_worker_message_are_skipped() -> None:
     asyncio.run(scenario())
 
 
+def test_worker_times_count_decode_steps_apart() -> None:
+    times = WorkerTimes()
+    for decode, seconds in ((False, 0.3), (True, 0.04), (True, 0.05)):
+        times.add(worker_pb2.StepResult(compute_seconds=seconds), decode=decode)
+    assert times.steps == 3 and times.decode_steps == 2
+    assert times.busy == pytest.approx(0.39) and times.decode_busy == pytest.approx(0.09)
+
+
 def test_worker_times_split_exposed_staging_by_how_each_step_was_staged() -> None:
     times = WorkerTimes()
     for forecast, exposed in ((False, 0.004), (True, 0.001), (True, 0.002), (False, 0.003)):
@@ -449,6 +457,7 @@ def test_worker_times_split_exposed_staging_by_how_each_step_was_staged() -> Non
             )
         )
     assert times.steps == 4 and times.forecast_steps == 2
+    assert times.decode_steps == 0 and times.decode_busy == 0.0  # none counted as decode steps
     assert times.exposed_staging == pytest.approx(0.010)
     assert times.exposed_staging_full == pytest.approx(0.007)  # the two steps staged in full
     assert times.staging == pytest.approx(0.020)
