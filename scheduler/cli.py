@@ -118,6 +118,12 @@ SCHEDULER_FLAGS = (
         "a new prefill may wait this long for others to batch with (shrinks as the queue fills)",
     ),
     Flag("--default-max-tokens", int, 256, "max_tokens of a request that sets none"),
+    Flag(
+        "--stream-interval",
+        int,
+        1,
+        "tokens a streamed chunk carries after the first (1: every token at once; more: fewer, larger chunks)",
+    ),
     Flag("--worker-timeout", float, 5.0, "seconds without a worker heartbeat before it counts as lost"),
     Flag("--step-timeout", float, 300.0, "seconds a step may go unanswered before the worker counts as hung"),
     Flag(

@@ -8,6 +8,7 @@ from scheduler.curve import faces_network
 
 VALID_BLOCK_SIZES = (8, 16, 32)
 MAX_INFLIGHT_LIMIT = 4
+MAX_STREAM_INTERVAL = 256
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,7 @@ class SchedulerConfig:
     max_queued_tokens: int = 262144
     prefill_window_ms: float = 0.0
     default_max_tokens: int = 256
+    stream_interval: int = 1  # tokens a streamed chunk carries after the first
     drain_timeout: float = 10.0
     worker_timeout: float = 5.0  # no heartbeat for this long: the worker is lost
     step_timeout: float = 300.0  # a step unanswered for this long: the worker is hung
@@ -92,6 +94,12 @@ class SchedulerConfig:
             0 <= self.prefill_window_ms <= 10_000, "--prefill-window-ms", self.prefill_window_ms, "0..10000"
         )
         check_flag(self.default_max_tokens >= 1, "--default-max-tokens", self.default_max_tokens, ">= 1")
+        check_flag(
+            1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
+            "--stream-interval",
+            self.stream_interval,
+            f"1..{MAX_STREAM_INTERVAL}",
+        )
         check_tracing_flags(self.otlp_protocol, self.trace_sample_ratio)
         check_flag(self.worker_timeout > 0, "--worker-timeout", self.worker_timeout, "> 0 seconds")
         check_flag(self.step_timeout > 0, "--step-timeout", self.step_timeout, "> 0 seconds")

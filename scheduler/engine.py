@@ -152,7 +152,7 @@ class Engine:
             lookahead=self._lookahead(ready),
         )
         self.planner = BatchPlanner(self.blocks, limits)
-        self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length)
+        self.outputs = OutputProcessor(self.eos_token_ids, ready.context_length, self.config.stream_interval)
         self.worker_info = ready
         self._recv_task = asyncio.create_task(self._receive_loop(), name="worker-results")
         self._last_heard = time.monotonic()

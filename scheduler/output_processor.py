@@ -39,9 +39,10 @@ class OutputProcessor:
     max_tokens, context length); `emit` detokenizes, checks stop strings and sends events.
     """
 
-    def __init__(self, eos_token_ids: Iterable[int], context_length: int) -> None:
+    def __init__(self, eos_token_ids: Iterable[int], context_length: int, stream_interval: int = 1) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
+        self.stream_interval = stream_interval  # tokens an event carries after the first (Request.emit)
 
     def apply(
         self, batch: InflightBatch, result: worker_pb2.StepResult
@@ -118,7 +119,7 @@ class OutputProcessor:
                     FinishReason.STOP if request.detokenizer.stopped else FinishReason.LENGTH
                 )
         request.finish_reason = event.finish_reason
-        request.emit(event)
+        request.emit(event, self.stream_interval)
         return event.finish_reason is not None
 
 

@@ -82,6 +82,9 @@ class Request:
     first_scheduled_time: float | None = None  # monotonic: its first step was dispatched
     first_token_time: float | None = None  # monotonic
     trace: RequestTrace | None = None  # set when this request is traced
+    # Tokens held back for the next event (--stream-interval), and events queued so far.
+    held: OutputEvent | None = None
+    events_queued: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -145,5 +148,28 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def emit(self, event: OutputEvent) -> None:
+    def emit(self, event: OutputEvent, interval: int = 1) -> None:
+        """Queue `event` for the caller. With `interval` > 1, tokens after the first are held and
+        sent `interval` at a time (the first goes at once, for the time to first token): an event
+        goes out once it carries that many tokens, or ends the request. An error goes out at once,
+        behind whatever tokens were held."""
+        held, self.held = self.held, None
+        if event.error is not None:
+            if held is not None:
+                self._queue(held)
+            self._queue(event)
+            return
+        if held is not None:
+            held.text += event.text
+            held.token_ids += event.token_ids
+            held.logprobs += event.logprobs
+            held.finish_reason = event.finish_reason
+            event = held
+        if event.finish_reason is None and self.events_queued and len(event.token_ids) < interval:
+            self.held = event
+            return
+        self._queue(event)
+
+    def _queue(self, event: OutputEvent) -> None:
+        self.events_queued += 1
         self.events.put_nowait(event)

@@ -99,6 +99,12 @@ def test_config_validation_names_the_flag_and_range() -> None:
         scheduler_config(args)
     with pytest.raises(ConfigError, match="--block-size"):
         SchedulerConfig(model="m", block_size=12, worker_address="ipc:///tmp/x")
+    with pytest.raises(ConfigError, match=r"--stream-interval=0 is invalid: allowed 1\.\.256"):
+        scheduler_config(parse(["scheduler", "--model", "m.gguf", "--stream-interval", "0"]))
+    assert (
+        scheduler_config(parse(["scheduler", "--model", "m.gguf", "--stream-interval", "8"])).stream_interval
+        == 8
+    )
 
 
 def test_worker_config_checks_its_flags() -> None:

@@ -18,7 +18,7 @@ from protos import worker_pb2
 from protos.running import unpack_running
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Admission, Engine, WorkerTimes
-from scheduler.request import OutputEvent, Request, RequestParams
+from scheduler.request import FinishReason, OutputEvent, Request, RequestParams
 
 TOKEN = 42  # what the scripted worker samples (but for eos_at_token)
 EOS = 2  # the engines' EOS token id here
@@ -435,6 +435,47 @@ def test_bytes_that_are_no_worker_message_are_skipped() -> None:
         await stop(engine, worker)
 
     asyncio.run(scenario())
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_tokens_in_groups() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address())
+        engine = await with_engine(worker, stream_interval=4)
+        request = make_request(engine, 5, max_tokens=10)
+        engine.submit(request)
+        sizes = [len(event.token_ids) async for event in events_of(request)]
+        # The first token at once, then four at a time, the last event whatever is left.
+        assert sizes == [1, 4, 4, 1]
+        assert request.output_token_ids == [TOKEN] * 10 and request.events_queued == 4
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
+def test_held_tokens_go_out_before_an_error_and_with_the_final_event() -> None:
+    request = Request(
+        request_id="r", seq_id=1, prompt_token_ids=[1], params=RequestParams(max_tokens=8),
+        detokenizer=cast(Any, SilentDetokenizer()), events=asyncio.Queue(),
+    )  # fmt: skip
+    for token in (5, 6, 7):
+        request.emit(OutputEvent(text=str(token), token_ids=[token]), interval=3)
+    request.emit(OutputEvent(error=("UNAVAILABLE", "worker lost")), interval=3)
+    queued = [request.events.get_nowait() for _ in range(request.events.qsize())]
+    assert [(e.text, e.token_ids, e.error) for e in queued] == [
+        ("5", [5], None),
+        ("67", [6, 7], None),
+        ("", [], ("UNAVAILABLE", "worker lost")),
+    ]
+    # A finish reason flushes what is held, whatever the interval.
+    request = Request(
+        request_id="s", seq_id=2, prompt_token_ids=[1], params=RequestParams(max_tokens=8),
+        detokenizer=cast(Any, SilentDetokenizer()), events=asyncio.Queue(),
+    )  # fmt: skip
+    request.emit(OutputEvent(token_ids=[5]), interval=8)
+    request.emit(OutputEvent(token_ids=[6]), interval=8)
+    request.emit(OutputEvent(token_ids=[7], finish_reason=FinishReason.STOP), interval=8)
+    queued = [request.events.get_nowait() for _ in range(request.events.qsize())]
+    assert [(e.token_ids, e.finish_reason) for e in queued] == [([5], None), ([6, 7], FinishReason.STOP)]
 
 
 def test_worker_times_count_decode_steps_apart() -> None:
