@@ -114,6 +114,26 @@ def test_hf_directory_greedy_matches_transformers_under_concurrency(
     assert len(chat.token_ids) == 4  # the directory's chat template rendered and served
 
 
+def test_a_stream_interval_groups_streamed_tokens_and_keeps_the_output(tiny_model_dir: Path) -> None:
+    """--stream-interval 5: the first token alone, then five to a chunk; the tokens and text are
+    those of a unary call, and greedy still matches transformers."""
+    server = start_server(
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--metrics-port", "0", "--stream-interval", "5"
+    )  # fmt: skip
+    try:
+        with Client(server.target) as client:
+            prompt = client.tokenize("Grouped tokens, please: " + "words " * 9)
+            chunks = list(client.stream(prompt_token_ids=prompt, max_tokens=NEW_TOKENS, ignore_eos=True))
+            whole = client.generate(prompt_token_ids=prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+    finally:
+        assert server.stop() == 0
+    assert [len(chunk.token_ids) for chunk in chunks] == [1, 5, 5, 1]  # NEW_TOKENS = 12
+    assert [t for chunk in chunks for t in chunk.token_ids] == whole.token_ids
+    assert "".join(chunk.text for chunk in chunks) == whole.text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage is not None
+    assert whole.token_ids == reference(tiny_model_dir, [prompt])[0]
+
+
 def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloat16_dir: Path) -> None:
     """float32 serving of a bfloat16 checkpoint on the CPU: decode steps multiply the file's
     bfloat16 tensors on the block kernel (half the bytes of float32 copies); greedy output equals
