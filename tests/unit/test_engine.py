@@ -452,11 +452,16 @@ def test_a_stream_interval_sends_the_first_token_alone_then_tokens_in_groups() -
     asyncio.run(scenario())
 
 
-def test_held_tokens_go_out_before_an_error_and_with_the_final_event() -> None:
-    request = Request(
-        request_id="r", seq_id=1, prompt_token_ids=[1], params=RequestParams(max_tokens=8),
+def _bare_request(seq_id: int) -> Request:
+    """A request outside any engine, for what it queues itself."""
+    return Request(
+        request_id=f"r{seq_id}", seq_id=seq_id, prompt_token_ids=[1], params=RequestParams(max_tokens=8),
         detokenizer=cast(Any, SilentDetokenizer()), events=asyncio.Queue(),
     )  # fmt: skip
+
+
+def test_held_tokens_go_out_before_an_error_and_with_the_final_event() -> None:
+    request = _bare_request(1)
     for token in (5, 6, 7):
         request.emit(OutputEvent(text=str(token), token_ids=[token]), interval=3)
     request.emit(OutputEvent(error=("UNAVAILABLE", "worker lost")), interval=3)
@@ -467,10 +472,7 @@ def test_held_tokens_go_out_before_an_error_and_with_the_final_event() -> None:
         ("", [], ("UNAVAILABLE", "worker lost")),
     ]
     # A finish reason flushes what is held, whatever the interval.
-    request = Request(
-        request_id="s", seq_id=2, prompt_token_ids=[1], params=RequestParams(max_tokens=8),
-        detokenizer=cast(Any, SilentDetokenizer()), events=asyncio.Queue(),
-    )  # fmt: skip
+    request = _bare_request(2)
     request.emit(OutputEvent(token_ids=[5]), interval=8)
     request.emit(OutputEvent(token_ids=[6]), interval=8)
     request.emit(OutputEvent(token_ids=[7], finish_reason=FinishReason.STOP), interval=8)
