@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from gpu_worker.config import CANNOT_START, WorkerConfig
+from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import block_kernel, wants_blocks
 from gpu_worker.loader import load_config
@@ -104,6 +105,7 @@ def run_worker(config: WorkerConfig) -> int:
     """Run one worker process until the scheduler says Shutdown; returns the exit code:
     CANNOT_START, with the reason logged, for a model or a setting it cannot start with."""
     setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
+    keep_freed_memory()
     tracing.setup(
         tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
     )
