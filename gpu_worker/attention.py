@@ -9,6 +9,7 @@ keeps CPU SDPA on its flash kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -17,10 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.batch import DecodeAttention, ForwardBatch, PrefillAttention
+from gpu_worker.kv_cache import CacheTensor
 from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
 from kernels.cpu_prefill import Chunk, CpuPrefillAttention, PrefillPlan, plan_chunks
 from kernels.cpu_stack import CpuDecodeStack
+from kernels.kv_int8 import Int8Cache, dequantize_slots, write_kv_int8
+
+
+def dense(cache: CacheTensor, backend: str) -> torch.Tensor:
+    """The cache as a dense tensor; an int8 one is for the cpu backend alone."""
+    if isinstance(cache, Int8Cache):
+        raise TypeError(
+            f"the {backend} attention backend reads a dense KV cache; --kv-cache-dtype int8 needs --attention-backend cpu"
+        )
+    return cache
 
 
 class FusedOps(Protocol):
@@ -97,7 +109,7 @@ class TorchPagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[CacheTensor, CacheTensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, H * D]
         """Write K/V for the step's tokens, then attend each token to its sequence's context."""
@@ -115,8 +127,8 @@ class TorchPagedAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
         chunks: Sequence[PrefillAttention],
         out: torch.Tensor,  # [T, H, D]: each chunk's rows are written
     ) -> None:
@@ -131,20 +143,21 @@ class TorchPagedAttention:
 
     def _write_kv(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
         k: torch.Tensor,
         v: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
         if self.fused_ops is None:
-            write_kv(k_cache, v_cache, k, v, slots)
+            write_kv(dense(k_cache, self.name), dense(v_cache, self.name), k, v, slots)
         else:
-            self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
+            self.fused_ops.write_kv(k, v, dense(k_cache, self.name), dense(v_cache, self.name), slots)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
+        self, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor, meta: DecodeAttention
     ) -> torch.Tensor:  # [D, H, Dh]
+        k_cache, v_cache = dense(k_cache, self.name), dense(v_cache, self.name)
         num, length = meta.num_seqs, meta.max_context
         k_buf, v_buf = self._gather_buffers(num * length, k_cache)
         # Whole blocks at a time: one contiguous copy per block instead of one per token.
@@ -165,10 +178,11 @@ class TorchPagedAttention:
         q: torch.Tensor,  # [Tq, H, Dh]
         k: torch.Tensor,  # [Tq, Hkv, Dh]
         v: torch.Tensor,  # [Tq, Hkv, Dh]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
         meta: PrefillAttention,
     ) -> torch.Tensor:  # [Tq, H, Dh]
+        k_cache, v_cache = dense(k_cache, self.name), dense(v_cache, self.name)
         if meta.key_slots is None:  # no cached prefix: this step's K/V are the whole context
             keys, values, mask = k, v, None
         else:
@@ -222,7 +236,11 @@ class CpuPagedAttention(TorchPagedAttention):
     """The CPU backend: decodes read the paged cache in place through the C kernel (kernels/cpu_decode.py).
     A step's prefill chunks take the AMX kernel where it runs (kernels/cpu_prefill.py), all in one
     call, else the torch path. With `fused_ops` (kernels/cpu_fused.py) the KV write is one C call
-    too (see TorchPagedAttention._write_kv), and the model runs its fused forward."""
+    too (see TorchPagedAttention._write_kv), and the model runs its fused forward.
+
+    With an int8 KV cache (`--kv-cache-dtype int8`, kernels/kv_int8.py) the write quantizes, decodes
+    read the int8 rows in place, and a chunk behind a cached prefix attends to its rows dequantized
+    into a dense buffer first (the prefill kernels read a dense cache)."""
 
     name = "cpu"
     fused_ops: CpuFusedOps | None
@@ -249,16 +267,40 @@ class CpuPagedAttention(TorchPagedAttention):
         self.small_decode_stack = small_decode_stack if fused_ops is not None else None
         self.prefill_kernel = prefill_kernel
 
+    def _write_kv(
+        self,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
+            if self.fused_ops is None:
+                write_kv_int8(k_cache, v_cache, k, v, slots)
+            else:
+                self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
+            return
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor), (
+            "K and V caches differ in kind"
+        )
+        super()._write_kv(k_cache, v_cache, k, v, slots)
+
     def _prefills(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
         chunks: Sequence[PrefillAttention],
         out: torch.Tensor,
     ) -> None:
+        if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
+            k_cache, v_cache, chunks = self._dense_prefixes(k_cache, v_cache, chunks, q.dtype)
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor), (
+            "K and V caches differ in kind"
+        )
         if self.prefill_kernel is None or q.dtype != self.prefill_kernel.dtype:
             super()._prefills(q, k, v, k_cache, v_cache, chunks, out)
             return
@@ -270,13 +312,59 @@ class CpuPagedAttention(TorchPagedAttention):
         # The step's K/V are in the cache by now, so a chunk behind a prefix reads all its keys there.
         self.prefill_kernel(q, k, v, planned[1], out, (k_cache, v_cache))
 
+    def _dense_prefixes(
+        self, k_cache: Int8Cache, v_cache: Int8Cache, chunks: Sequence[PrefillAttention], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, Sequence[PrefillAttention]]:
+        """The rows that the chunks behind a cached prefix read, dequantized into dense [S, 1, Hkv, D]
+        caches, and the chunks with their key slots renumbered into them (the same for every layer
+        of the step, so kept per step)."""
+        kept = getattr(self._local, "dense_chunks", None)
+        if kept is None or kept[0] is not chunks:
+            slots, renumbered, at = [], [], 0
+            for chunk in chunks:
+                if chunk.key_slots is None:
+                    renumbered.append(chunk)
+                    continue
+                count = chunk.key_slots.shape[0]
+                slots.append(chunk.key_slots)
+                renumbered.append(
+                    dataclasses.replace(
+                        chunk, key_slots=torch.arange(at, at + count, device=chunk.key_slots.device)
+                    )
+                )
+                at += count
+            gathered = torch.cat(slots) if slots else None
+            self._local.dense_chunks = kept = (chunks, gathered, renumbered)
+        _, gathered, renumbered = kept
+        if gathered is None:  # no chunk reads the cache
+            empty = torch.empty((1, 1, self.num_kv_heads, self.head_dim), dtype=dtype)
+            return empty, empty, renumbered
+        rows = gathered.shape[0]
+        shape = (rows, 1, self.num_kv_heads, self.head_dim)
+        if self.fused_ops is None:
+            return (
+                dequantize_slots(k_cache, gathered, dtype).view(shape),
+                dequantize_slots(v_cache, gathered, dtype).view(shape),
+                renumbered,
+            )
+        # In C, into this thread's buffers (kept between layers and steps): no per-layer temporaries.
+        like = torch.empty((), dtype=dtype)
+        k_rows, v_rows = self._gather_buffers(rows, like)
+        self.fused_ops.dequantize_kv_int8(k_cache, gathered, k_rows)
+        self.fused_ops.dequantize_kv_int8(v_cache, gathered, v_rows)
+        return k_rows.view(shape), v_rows.view(shape), renumbered
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DecodeAttention
+        self,
+        q: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
+        meta: DecodeAttention,
     ) -> torch.Tensor:  # [D, H, Dh]
         self.check_once(meta, k_cache)
         return self.kernel(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens)
 
-    def check_once(self, meta: DecodeAttention, k_cache: torch.Tensor) -> None:
+    def check_once(self, meta: DecodeAttention, k_cache: CacheTensor) -> None:
         """The kernels trust block ids and lengths: check them once per batch, not once per layer."""
         if getattr(self._local, "checked", None) is not meta:
             check_block_tables(meta.block_tables, meta.context_lens, k_cache.shape[0], k_cache.shape[1])
@@ -308,10 +396,10 @@ class TritonPagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D], rows may be strided (a view into qkv)
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[CacheTensor, CacheTensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, H * D]
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = dense(kv_cache[0], self.name), dense(kv_cache[1], self.name)
         self._write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)

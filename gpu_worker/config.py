@@ -11,6 +11,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DENSE_WEIGHTS = ("auto", "keep", "drop")
+KV_CACHE_DTYPES = (
+    "auto",
+    "int8",
+)  # auto: the model's dtype; int8: rows and a scale each (kernels/kv_int8.py)
 
 # A worker's exit code when it cannot start with this model and these settings (a model file it
 # cannot load, a device or dtype this machine lacks): starting it again would fail the same way,
@@ -31,6 +35,7 @@ class WorkerConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     kv_cache_memory: float = 0.0
+    kv_cache_dtype: str = "auto"
     threads: int = 0
     sbo: bool = True
     sbo_depth: int = 2
@@ -58,6 +63,18 @@ class WorkerConfig:
             "--attention-backend",
             self.attention_backend,
             ", ".join(ATTENTION_BACKENDS),
+        )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "--kv-cache-dtype",
+            self.kv_cache_dtype,
+            ", ".join(KV_CACHE_DTYPES),
+        )
+        _check(
+            self.kv_cache_dtype != "int8" or self.attention_backend in ("auto", "cpu"),
+            "--kv-cache-dtype",
+            self.kv_cache_dtype,
+            "auto with --attention-backend torch or triton (an int8 cache is read by the cpu backend's kernels)",
         )
         _check(
             self.dense_weights in DENSE_WEIGHTS,

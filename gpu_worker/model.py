@@ -16,6 +16,7 @@ from torch import nn
 
 from gpu_worker.attention import FusedOps, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.batch import ForwardBatch
+from gpu_worker.kv_cache import LayerCache
 from gpu_worker.linear import (
     GateUpLinear,
     Linear,
@@ -139,7 +140,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, Dh / 2]
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.attention_block(hidden, cos, sin, kv_cache, batch)
@@ -150,7 +151,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, hidden]
         return hidden + self._attention(self.input_layernorm(hidden), cos, sin, kv_cache, batch)
@@ -164,7 +165,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,  # [T, hidden]: updated in place
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         batch: ForwardBatch,
         next_norm: RMSNorm,
         ops: FusedOps,
@@ -188,7 +189,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -347,7 +348,7 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         batch: ForwardBatch,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[LayerCache],
         yield_point: Callable[[], None] | None = None,
     ) -> torch.Tensor:  # [S, vocab] in the model's dtype
         """Run one step: write every token's K/V, return logits for `batch.logits_indices` rows only,
@@ -377,7 +378,7 @@ class LlamaModel(nn.Module):
         self,
         residual: torch.Tensor,
         batch: ForwardBatch,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[LayerCache],
         ops: FusedOps,
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor:  # [S, vocab]

@@ -17,17 +17,17 @@ import torch
 
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ForwardBatch
+from gpu_worker.kv_cache import LayerCache
 from gpu_worker.linear import SMALL_STEP_ROWS, Linear
 from kernels.block_weights import Blocks
 from kernels.cpu_stack import BoundStack, CpuDecodeStack, StackLayer
+from kernels.kv_int8 import Int8Cache
 
 if TYPE_CHECKING:
     from gpu_worker.model import LlamaModel
 
 
-def stack_layers(
-    model: LlamaModel, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], blocks: bool
-) -> list[StackLayer] | None:
+def stack_layers(model: LlamaModel, kv_caches: Sequence[LayerCache], blocks: bool) -> list[StackLayer] | None:
     """Each decoder layer's tensors over these KV caches, as a decode stack binds them: with the
     linears' GGUF blocks (`blocks`) or their pair-layout weights; None where a linear has none."""
     layers = model.decoder_layers()
@@ -76,7 +76,7 @@ class StackBinding:
         x: torch.Tensor,
         residual: torch.Tensor,
         batch: ForwardBatch,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[LayerCache],
         yield_point: Callable[[], None] | None,
     ) -> torch.Tensor | None:
         """Every layer of `model` in one C call for a decode step of at most the stack's max_rows
@@ -122,11 +122,16 @@ class StackBinding:
         self,
         decode_stack: CpuDecodeStack,
         model: LlamaModel,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[LayerCache],
     ) -> BoundStack | None:
         """`decode_stack` bound to these caches (again only when they changed); None where a linear
         has no weights for its kernel."""
-        key = (decode_stack, kv_caches[0][0].data_ptr(), len(kv_caches))
+        first = kv_caches[0][0]
+        key = (
+            decode_stack,
+            (first.values if isinstance(first, Int8Cache) else first).data_ptr(),
+            len(kv_caches),
+        )
         bound = self._bound.get(id(decode_stack))
         if bound is None or bound[0] != key:
             layers = stack_layers(model, kv_caches, decode_stack.blocks)

@@ -137,7 +137,9 @@ def plan_num_blocks(
 ) -> int:
     """KV blocks that fit the memory budget, capped by what the scheduler can use and its --num-kv-blocks."""
     fraction = config.kv_cache_memory or DEFAULT_KV_FRACTION[device.type]
-    per_block = kv_cache_bytes_per_block(model_config, configure.block_size, dtype)
+    per_block = kv_cache_bytes_per_block(
+        model_config, configure.block_size, dtype, config.kv_cache_dtype == "int8"
+    )
     num_blocks = int(free_memory_bytes(device) * fraction) // per_block
     # Every sequence the scheduler may run at once, each at the full context length.
     blocks_per_context = -(-model_config.context_length // configure.block_size)
@@ -156,14 +158,21 @@ def make_attention(
     device: torch.device,
     block_size: int,
     vector_bits: int = 512,
+    kv_int8: bool = False,
 ) -> TorchPagedAttention | TritonPagedAttention:
     """The attention backend for `--attention-backend`.
 
     "auto": Triton kernels on CUDA; on the CPU the C decode kernel when it builds here, else the
     torch path, saying why. "triton" on the CPU needs TRITON_INTERPRET=1 (slow; for tests).
     `vector_bits` (`--cpu-vector-bits`) caps the CPU decode attention's intrinsics path.
+    `kv_int8` (`--kv-cache-dtype int8`): the cache is int8, which the cpu backend alone reads.
     """
     shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
+    if kv_int8 and (device.type != "cpu" or name not in ("auto", "cpu")):
+        raise SystemExit(
+            f"--kv-cache-dtype int8: the int8 cache is read by the cpu attention backend, on the CPU; "
+            f"this worker runs --attention-backend {name} on {device}"
+        )
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         if device.type != "cuda" and not interpreting():
             raise SystemExit(
@@ -184,10 +193,13 @@ def make_attention(
             block_size,
             dtype,
             vector_bits,
+            kv_int8=kv_int8,
         )
     except KernelBuildError as exc:
-        if name == "cpu":
-            raise SystemExit(f"--attention-backend cpu: {exc}") from exc
+        if name == "cpu" or kv_int8:
+            raise SystemExit(
+                f"--attention-backend cpu{' (--kv-cache-dtype int8)' if kv_int8 else ''}: {exc}"
+            ) from exc
         log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
         return TorchPagedAttention(*shape)
     log.info("CPU decode attention on %s", VECTOR_PATHS[kernel.vector_path])
@@ -206,6 +218,7 @@ def make_attention(
             blocks=blocks,
             vector_bits=vector_bits,
             dtype=dtype if blocks else None,
+            kv_int8=kv_int8,
         )
 
     stack = None

@@ -157,11 +157,15 @@ def _run(config: WorkerConfig) -> int:
                 device,
                 configure.block_size,
                 config.cpu_vector_bits,
+                config.kv_cache_dtype == "int8",
             )
             model = load_weights(config, model_config, dtype, device, block_build)
             num_blocks = plan_num_blocks(config, model_config, device, dtype, configure)
             started = time.perf_counter()
-            kv_cache = allocate_kv_cache(model_config, num_blocks, configure.block_size, dtype, device)
+            kv_int8 = config.kv_cache_dtype == "int8"
+            kv_cache = allocate_kv_cache(
+                model_config, num_blocks, configure.block_size, dtype, device, kv_int8
+            )
             allocated = time.perf_counter()
             model.use_attention(attention.result())
             kernels = time.perf_counter()
@@ -198,6 +202,7 @@ def _run(config: WorkerConfig) -> int:
             device=str(device),
             block_size=configure.block_size,
             num_blocks=num_blocks,
+            kv_cache_dtype="int8" if kv_int8 else dtype_name(dtype),
             # A step's late inputs (ModelRunner.stage) are written in once the steps in front have
             # appended their tokens: every pipeline waits for that but CUDA SBO on threads, which
             # finishes steps on a thread of its own. On one compute stream a prompt's next chunk
@@ -206,9 +211,10 @@ def _run(config: WorkerConfig) -> int:
         )
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         log.info(
-            "ready: %d KV blocks of %d tokens, %s attention, SBO %s, %s",
+            "ready: %d KV blocks of %d tokens (%s), %s attention, SBO %s, %s",
             num_blocks,
             configure.block_size,
+            "int8" if kv_int8 else dtype_name(dtype),
             model.attention_backend,
             "off"
             if not sbo

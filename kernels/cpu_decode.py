@@ -21,6 +21,7 @@ import torch
 
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, load
+from kernels.kv_int8 import Int8Cache, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ VECTOR_PATHS = {512: "AVX-512", 256: "AVX2", 0: "plain C"}  # the kernel's intri
 VECTOR_BITS = tuple(VECTOR_PATHS)
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, torch.dtype, int], CpuDecodeAttention] = {}
+_loaded: dict[tuple[int, int, int, torch.dtype, int, bool], CpuDecodeAttention] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +43,11 @@ class _Shape:
     group: int  # query heads per KV head
     block_size: int
     dtype: torch.dtype
+    kv_int8: bool = False  # the cache holds int8 rows and their scales (kernels/kv_int8.py)
 
 
 class CpuDecodeAttention:
-    """The loaded kernel for one (head_dim, group, block_size, dtype); call it per layer."""
+    """The loaded kernel for one (head_dim, group, block_size, dtype, cache kind); call it per layer."""
 
     def __init__(
         self, function: Callable[..., None], shape: _Shape, library_path: Path, vector_path: int
@@ -58,8 +60,8 @@ class CpuDecodeAttention:
     def __call__(
         self,
         q: torch.Tensor,  # [N, H, Dh]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dh]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | Int8Cache,  # [num_blocks, block_size, Hkv, Dh]
+        v_cache: torch.Tensor | Int8Cache,
         block_tables: torch.Tensor,  # [N, max_blocks] int32
         context_lens: torch.Tensor,  # [N] int32, each in [1, max_blocks * block_size]
         out: torch.Tensor | None = None,  # [N, H, Dh], like q
@@ -73,6 +75,20 @@ class CpuDecodeAttention:
         shape = self.shape
         require(q.dim() == 3 and q.is_contiguous(), "q", q, "a contiguous [N, H, head_dim] tensor")
         num_seqs, num_heads, head_dim = q.shape
+        scales: tuple[int, int] = (0, 0)
+        if shape.kv_int8:
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not isinstance(cache, Int8Cache):
+                    raise ValueError(
+                        f"{name}: this kernel reads an int8 cache (Int8Cache), got {type(cache).__name__}"
+                    )
+                cache.check()
+            assert isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)
+            scales = (k_cache.scales.data_ptr(), v_cache.scales.data_ptr())
+            k_cache, v_cache = k_cache.values, v_cache.values
+        elif isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
+            raise ValueError("k_cache: an int8 cache needs the kernel built for one (kv_int8=True)")
+        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
         require(k_cache.dim() == 4 and k_cache.is_contiguous(), "k_cache", k_cache, "contiguous 4-D")
         require(
             v_cache.shape == k_cache.shape and v_cache.is_contiguous(), "v_cache", v_cache, "like k_cache"
@@ -81,13 +97,13 @@ class CpuDecodeAttention:
         require(head_dim == shape.head_dim == cache_head_dim, "head_dim", q, f"{shape.head_dim}")
         require(block_size == shape.block_size, "block_size", k_cache, f"{shape.block_size}")
         require(num_heads == num_kv_heads * shape.group, "num_heads", q, f"{num_kv_heads} * {shape.group}")
-        for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            require(
-                tensor.dtype == shape.dtype and tensor.device.type == "cpu",
-                name,
-                tensor,
-                f"{shape.dtype} on cpu",
-            )
+        cache_dtype = torch.int8 if shape.kv_int8 else shape.dtype
+        for name, tensor, dtype in (
+            ("q", q, shape.dtype),
+            ("k_cache", k_cache, cache_dtype),
+            ("v_cache", v_cache, cache_dtype),
+        ):
+            require(tensor.dtype == dtype and tensor.device.type == "cpu", name, tensor, f"{dtype} on cpu")
         require(
             block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.is_contiguous(),
             "block_tables",
@@ -111,6 +127,7 @@ class CpuDecodeAttention:
                 q.data_ptr(),
                 k_cache.data_ptr(),
                 v_cache.data_ptr(),
+                *scales,
                 block_tables.data_ptr(),
                 context_lens.data_ptr(),
                 out.data_ptr(),
@@ -144,9 +161,18 @@ def check_block_tables(
 
 
 def gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, length: int, num_heads: int
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
+    table: torch.Tensor,
+    length: int,
+    num_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # each [length, num_heads, head_dim] float32
-    """A sequence's first `length` keys and values from the paged caches, one copy per query head."""
+    """A sequence's first `length` keys and values from the paged caches, one copy per query head
+    (an int8 cache's rows times their scales)."""
+    if isinstance(k_cache, Int8Cache):
+        k_cache = dequantize(k_cache, torch.float32)
+    if isinstance(v_cache, Int8Cache):
+        v_cache = dequantize(v_cache, torch.float32)
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     blocks = table[: -(-length // block_size)].long()
     group = num_heads // num_kv_heads
@@ -161,8 +187,8 @@ def gather_context(
 
 def paged_decode_attention_reference(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> torch.Tensor:
@@ -177,11 +203,16 @@ def paged_decode_attention_reference(
 
 
 def load_cpu_decode_attention(
-    head_dim: int, group: int, block_size: int, dtype: torch.dtype, vector_bits: int = 512
+    head_dim: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    vector_bits: int = 512,
+    kv_int8: bool = False,
 ) -> CpuDecodeAttention:
     """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible.
     `vector_bits` caps its intrinsics path at AVX-512 (512: the widest this CPU has), AVX2 (256) or
-    none (0), so the tests can run each path a CPU may take."""
+    none (0), so the tests can run each path a CPU may take. `kv_int8`: for an int8 cache (kernels/kv_int8.py)."""
     supported = (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -197,10 +228,10 @@ def load_cpu_decode_attention(
         raise KernelBuildError(f"no CPU decode kernel for {dtype}; supported: {DTYPES}")
     if vector_bits not in VECTOR_BITS:
         raise KernelBuildError(f"vector_bits={vector_bits}; supported: {VECTOR_BITS}")
-    key = (head_dim, group, block_size, dtype, vector_bits)
+    key = (head_dim, group, block_size, dtype, vector_bits, kv_int8)
     with _lock:
         if key not in _loaded:
-            shape = _Shape(head_dim, group, block_size, dtype)
+            shape = _Shape(head_dim, group, block_size, dtype, kv_int8)
             path = build(
                 "paged_decode_attention.c",
                 {
@@ -209,6 +240,7 @@ def load_cpu_decode_attention(
                     "BLOCK": shape.block_size,
                     "ELEM_BF16": int(shape.dtype == torch.bfloat16),
                     "VECTOR_BITS": vector_bits,
+                    "KV_INT8": int(kv_int8),
                 },
             )
             function, vector_path = _bind(path)
@@ -221,7 +253,7 @@ def _bind(path: Path) -> tuple[Callable[..., None], int]:
     library = load(path)
     function = library.duoserve_paged_decode_attention
     function.restype = None
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+    function.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
     vector_path = library.duoserve_paged_decode_vector_path
     vector_path.restype = ctypes.c_int
     vector_path.argtypes = []

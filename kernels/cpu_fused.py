@@ -18,6 +18,7 @@ import torch
 
 from kernels._launch import require, require_tensor, require_token_rows
 from kernels.cpu_build import KernelBuildError, build, load
+from kernels.kv_int8 import Int8Cache
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -31,6 +32,8 @@ _SIGNATURES = {
     "duoserve_silu_and_mul": [_P, _P, _I, _I, _INT],
     "duoserve_rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _INT],  # cos, sin tables
     "duoserve_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I],
+    "duoserve_write_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _INT],
+    "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
 }
 
@@ -174,10 +177,14 @@ class CpuFusedOps:
         self,
         k: torch.Tensor,  # [T, Hkv, D]; rows may be strided (a view into qkv)
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | Int8Cache,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor | Int8Cache,
         slot_mapping: torch.Tensor,  # [T] int64; slots < 0 are skipped
     ) -> None:
+        """Copy each token's rows to its slot; into an int8 cache, quantized (kernels/kv_int8.py)."""
+        if isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
+            self._write_kv_int8(k, v, k_cache, v_cache, slot_mapping)
+            return
         _require_rows(k, "k", self.dtype)
         _require_rows(v, "v", self.dtype)
         require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
@@ -205,6 +212,81 @@ class CpuFusedOps:
             slot_mapping.data_ptr(),
             k.shape[0],
             k.shape[1] * k.shape[2],
+        )
+
+    def dequantize_kv_int8(self, cache: Int8Cache, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The rows at `slots` ([S] int64) times their scales, into `out` ([S, Hkv, D] of this dtype)."""
+        cache.check()
+        _, block_size, heads, dim = cache.shape
+        _require_tensor(slots, "slots", dims=1, dtypes=(torch.int64,))
+        require(
+            out.shape == (slots.shape[0], heads, dim) and out.dtype == self.dtype and out.is_contiguous(),
+            "out",
+            out,
+            f"contiguous [{slots.shape[0]}, {heads}, {dim}] {self.dtype}",
+        )
+        count = slots.shape[0]
+        if count and (int(slots.min()) < 0 or int(slots.max()) >= cache.shape[0] * block_size):
+            raise ValueError(f"slots: expected each in [0, {cache.shape[0] * block_size})")
+        if count:
+            self._lib.duoserve_dequantize_kv_int8(
+                cache.values.data_ptr(),
+                cache.scales.data_ptr(),
+                slots.data_ptr(),
+                count,
+                heads,
+                dim,
+                block_size,
+                out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return out
+
+    def _write_kv_int8(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor | Int8Cache,
+        v_cache: torch.Tensor | Int8Cache,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        _require_rows(k, "k", self.dtype)
+        _require_rows(v, "v", self.dtype)
+        require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(cache, Int8Cache):
+                raise ValueError(f"{name}: the K and V caches must both be int8 (Int8Cache) or both dense")
+            cache.check()
+            require(
+                cache.shape[2:] == k.shape[1:],
+                name,
+                cache.values,
+                f"[.., .., {k.shape[1]}, {k.shape[2]}] int8",
+            )
+        assert isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)
+        require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
+        _require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+        require(slot_mapping.shape[0] == k.shape[0], "slot_mapping", slot_mapping, f"{k.shape[0]} entries")
+        num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+        if k.shape[0] and int(slot_mapping.max()) >= num_blocks * block_size:
+            raise ValueError(
+                f"slot_mapping: slots must be < {num_blocks * block_size}, got {int(slot_mapping.max())}"
+            )
+        self._lib.duoserve_write_kv_int8(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            k_cache.values.data_ptr(),
+            v_cache.values.data_ptr(),
+            k_cache.scales.data_ptr(),
+            v_cache.scales.data_ptr(),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            k.shape[1],
+            k.shape[2],
+            block_size,
+            torch.get_num_threads(),
         )
 
 

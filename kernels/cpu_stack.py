@@ -37,13 +37,14 @@ from kernels.block_weights import BlockRows, Blocks
 from kernels.cpu_block_linear import block_linear_entry
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
+from kernels.kv_int8 import Int8Cache
 
 # The block builds' decode steps: up to this many sequences (its scratch is sized for them);
 # larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
 BLOCK_STACK_MAX_ROWS = 64
 
 _lock = threading.Lock()
-_loaded: dict[tuple[int, int, int, bool, bool, int, torch.dtype], CpuDecodeStack] = {}
+_loaded: dict[tuple[int, int, int, bool, bool, int, torch.dtype, bool], CpuDecodeStack] = {}
 
 
 class _Layer(ctypes.Structure):
@@ -67,6 +68,8 @@ class _Layer(ctypes.Structure):
         ("k_type", ctypes.c_int32),
         ("v_type", ctypes.c_int32),
         ("up_type", ctypes.c_int32),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
     ]
 
 
@@ -101,8 +104,8 @@ class StackLayer:
     gate_up_weight: torch.Tensor  # [2 ffn, hidden]
     down_weight: torch.Tensor  # [hidden, ffn]
     next_norm: torch.Tensor  # [hidden]: the next layer's input norm, or the final norm
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
+    k_cache: torch.Tensor | Int8Cache  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor | Int8Cache
     # The qkv, o, gate_up and down weights packed by kernels.cpu_pair_linear.pack.
     pair_weights: tuple[torch.Tensor, ...] = ()
     # Or the same four as GGUF blocks: qkv's as q's, k's and v's and gate_up's as gate's and up's
@@ -155,11 +158,14 @@ class BoundStack:
             pointers[2],
             pointers[3],
             layer.next_norm.data_ptr(),
-            layer.k_cache.data_ptr(),
-            layer.v_cache.data_ptr(),
+            *(_cache_rows(cache).data_ptr() for cache in (layer.k_cache, layer.v_cache)),
             *types,
             *extra,
             *extra_types,
+            *(
+                cache.scales.data_ptr() if isinstance(cache, Int8Cache) else None
+                for cache in (layer.k_cache, layer.v_cache)
+            ),
         )
 
     def _check(self, index: int, layer: StackLayer) -> None:
@@ -225,11 +231,19 @@ class BoundStack:
         cache_shape = (layer.k_cache.shape[0], self.stack.block_size, self.num_kv_heads, self.stack.head_dim)
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
+            if self.stack.kv_int8 != isinstance(cache, Int8Cache):
+                kind = "an int8 cache (Int8Cache)" if self.stack.kv_int8 else f"a {dtype_name} tensor"
+                raise ValueError(f"layers[{index}].{name}: this stack's build reads {kind}")
+            if isinstance(cache, Int8Cache):
+                cache.check()
+            cache_rows = _cache_rows(cache)
             require(
-                tuple(cache.shape) == cache_shape and cache.dtype == self.dtype and cache.is_contiguous(),
+                tuple(cache_rows.shape) == cache_shape
+                and cache_rows.dtype == (torch.int8 if self.stack.kv_int8 else self.dtype)
+                and cache_rows.is_contiguous(),
                 f"layers[{index}].{name}",
-                cache,
-                f"a contiguous {dtype_name} tensor of shape {cache_shape}",
+                cache_rows,
+                f"a contiguous {'int8' if self.stack.kv_int8 else dtype_name} tensor of shape {cache_shape}",
             )
 
     def run(
@@ -361,6 +375,7 @@ class CpuDecodeStack:
         pair_engine: str | None,
         blocks: bool = False,
         dtype: torch.dtype = torch.bfloat16,
+        kv_int8: bool = False,
     ) -> None:
         self.function = function
         # What the pair-layout linear multiplies on in this build (None for the block build): bind
@@ -369,6 +384,7 @@ class CpuDecodeStack:
         self.pair_engine = pair_engine
         self.blocks = blocks  # on GGUF blocks, not on pairs (which are bfloat16)
         self.dtype = dtype
+        self.kv_int8 = kv_int8  # its KV cache is int8 rows and scales (kernels/kv_int8.py)
         self.max_rows = BLOCK_STACK_MAX_ROWS if blocks else cpu_pair_linear.MAX_ROWS
         self.head_dim = head_dim
         self.group = group
@@ -388,12 +404,13 @@ def load_cpu_decode_stack(
     blocks: bool = False,
     vector_bits: int = 512,
     dtype: torch.dtype | None = None,
+    kv_int8: bool = False,
 ) -> CpuDecodeStack:
     """Build (or find in the cache) and load the stack for this attention shape: in bfloat16, its
     pair-layout linear on AMX tiles where they run and `allow_amx`, else on AVX-512 BF16; with
     `blocks`, on GGUF blocks (AVX2, FMA and F16C) in `dtype`: float32 (the default) or bfloat16.
     `vector_bits` caps its decode attention's intrinsics path, as in kernels/cpu_decode.py (for
-    the benchmarks' A/B)."""
+    the benchmarks' A/B). `kv_int8`: over an int8 KV cache (kernels/kv_int8.py)."""
     dtype = dtype or (torch.float32 if blocks else torch.bfloat16)
     if dtype not in (torch.float32, torch.bfloat16) or (dtype == torch.float32 and not blocks):
         raise KernelBuildError(
@@ -410,8 +427,14 @@ def load_cpu_decode_stack(
         raise KernelBuildError(
             f"no CPU decode stack for head_dim={head_dim}, group={group}, block_size={block_size}"
         )
-    key = (head_dim, group, block_size, allow_amx, blocks, vector_bits, dtype)
-    shape = {"HEAD_DIM": head_dim, "GROUP": group, "BLOCK": block_size, "VECTOR_BITS": vector_bits}
+    key = (head_dim, group, block_size, allow_amx, blocks, vector_bits, dtype, kv_int8)
+    shape = {
+        "HEAD_DIM": head_dim,
+        "GROUP": group,
+        "BLOCK": block_size,
+        "VECTOR_BITS": vector_bits,
+        "KV_INT8": int(kv_int8),
+    }
     with _lock:
         if key not in _loaded:
             engine: str | None
@@ -440,8 +463,14 @@ def load_cpu_decode_stack(
                 ctypes.c_int,
                 ctypes.c_void_p,
             ]
-            _loaded[key] = CpuDecodeStack(function, head_dim, group, block_size, engine, blocks, dtype)
+            _loaded[key] = CpuDecodeStack(
+                function, head_dim, group, block_size, engine, blocks, dtype, kv_int8
+            )
         return _loaded[key]
+
+
+def _cache_rows(cache: torch.Tensor | Int8Cache) -> torch.Tensor:
+    return cache.values if isinstance(cache, Int8Cache) else cache
 
 
 __all__ = ["BoundStack", "CpuDecodeStack", "KernelBuildError", "StackLayer", "load_cpu_decode_stack"]

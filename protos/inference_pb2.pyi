@@ -164,7 +164,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "dtype", "attention_backend", "block_size", "kv_cache_blocks", "kv_cache_tokens", "vocab_size", "num_workers")
+    __slots__ = ("name", "context_length", "dtype", "attention_backend", "block_size", "kv_cache_blocks", "kv_cache_tokens", "vocab_size", "num_workers", "kv_cache_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     dtype: str
@@ -183,7 +184,8 @@ class ModelInfo(_message.Message):
     kv_cache_tokens: int
     vocab_size: int
     num_workers: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_workers: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

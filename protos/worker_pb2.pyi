@@ -144,7 +144,7 @@ class Hello(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
-    __slots__ = ("worker_id", "model_name", "context_length", "vocab_size", "dtype", "attention_backend", "device", "block_size", "num_blocks", "lookahead")
+    __slots__ = ("worker_id", "model_name", "context_length", "vocab_size", "dtype", "attention_backend", "device", "block_size", "num_blocks", "lookahead", "kv_cache_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class Ready(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     model_name: str
     context_length: int
@@ -165,7 +166,8 @@ class Ready(_message.Message):
     block_size: int
     num_blocks: int
     lookahead: bool
-    def __init__(self, worker_id: _Optional[int] = ..., model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookahead: _Optional[bool] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, worker_id: _Optional[int] = ..., model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lookahead: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class SequenceLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

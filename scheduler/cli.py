@@ -147,6 +147,16 @@ WORKER_FLAGS = (
         ("auto", "cpu", "torch", "triton"),
     ),
     Flag("--kv-cache-memory", float, 0.0, "fraction of free device memory for the KV cache (0 = default)"),
+    Flag(
+        "--kv-cache-dtype",
+        str,
+        "auto",
+        "what the KV cache stores: auto = the serving dtype; int8 = int8 rows with a scale each "
+        "(CPU attention backend: half a bfloat16 cache's bytes per token, so decode steps read half as "
+        "much and the same memory holds twice the tokens; attention sees each value within half a "
+        "quantization step, 1/254 of its row's largest)",
+        ("auto", "int8"),
+    ),
     Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),
     Flag(
         "--sbo",

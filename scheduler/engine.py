@@ -158,13 +158,14 @@ class Engine:
         self._last_heard = time.monotonic()
         self._watchdog_task = asyncio.create_task(self._watchdog(), name="worker-watchdog")
         log.info(
-            "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens, lookahead %s",
+            "worker ready: %s, %s on %s, attention %s, %d KV blocks of %d tokens (%s), lookahead %s",
             ready.model_name,
             ready.dtype,
             ready.device,
             ready.attention_backend,
             ready.num_blocks,
             ready.block_size,
+            ready.kv_cache_dtype or ready.dtype,
             "on" if limits.lookahead else "off",
         )
         return ready

@@ -224,5 +224,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             kv_cache_tokens=info.num_blocks * info.block_size,
             vocab_size=info.vocab_size,
             num_workers=self.engine.config.num_workers,
+            kv_cache_dtype=info.kv_cache_dtype or info.dtype,
         )
         return inference_pb2.ListModelsResponse(models=[model])

@@ -35,6 +35,7 @@ from gpu_worker.startup import make_attention
 from kernels.block_weights import BF16, Q8_0, BlockRows, BlockWeight
 from kernels.cpu_block_linear import BlockLinear
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
+from kernels.kv_int8 import Int8Cache
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 from tests.worker_steps import CountingRuns
@@ -74,11 +75,12 @@ def block_model(
     blocks: bool = True,
     vector_bits: int = 512,
     dtype: torch.dtype = torch.float32,
+    kv_int8: bool = False,
 ) -> LlamaModel:
     config, weights, block_weights = smollm2
     model = LlamaModel(config, dtype, CPU)
     model.load_weights(weights, block_weights if blocks else None)
-    attention = make_attention("cpu", config, dtype, CPU, BLOCK_SIZE, vector_bits)
+    attention = make_attention("cpu", config, dtype, CPU, BLOCK_SIZE, vector_bits, kv_int8=kv_int8)
     assert isinstance(attention, CpuPagedAttention)
     assert attention.decode_stack is not None and attention.decode_stack.blocks
     assert attention.decode_stack.dtype == dtype
@@ -88,9 +90,18 @@ def block_model(
     return model
 
 
-def filled_cache(config: ModelConfig, dtype: torch.dtype = torch.float32) -> KVCache:
-    cache = allocate_kv_cache(config, SEQS * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, CPU)
+def filled_cache(config: ModelConfig, dtype: torch.dtype = torch.float32, kv_int8: bool = False) -> KVCache:
+    cache = allocate_kv_cache(config, SEQS * BLOCKS_PER_SEQ, BLOCK_SIZE, dtype, CPU, kv_int8)
     gen = torch.Generator().manual_seed(0)
+    if kv_int8:
+        for layer in cache:
+            for part in layer:
+                assert isinstance(part, Int8Cache)
+                part.values.copy_(
+                    torch.randint(-127, 128, part.values.shape, generator=gen, dtype=torch.int8)
+                )
+                part.scales.copy_(torch.rand(part.scales.shape, generator=gen) * 0.05)
+        return cache
     for k, v in cache:
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
@@ -132,6 +143,29 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     assert got.dtype == dtype and torch.equal(got, want)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_on_an_int8_cache_the_stack_computes_the_per_op_forward_bit_for_bit(
+    smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
+    rows: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--kv-cache-dtype int8` in float32 on the blocks: the stack's build writes and reads the int8
+    cache as the per-op path does."""
+    config = smollm2[0]
+    counting = CountingRuns(monkeypatch)
+    stacked = block_model(smollm2, stack=True, kv_int8=True)
+    per_op = block_model(smollm2, stack=False, kv_int8=True)
+    stacked_cache, per_op_cache = filled_cache(config, kv_int8=True), filled_cache(config, kv_int8=True)
+    batch = decode_batch(rows)
+    got = stacked(batch, stacked_cache)
+    assert counting.runs == 1
+    assert torch.equal(got, per_op(batch, per_op_cache))
+    for pair_a, pair_b in zip(stacked_cache, per_op_cache, strict=True):
+        for a, b in zip(pair_a, pair_b, strict=True):
+            assert isinstance(a, Int8Cache) and isinstance(b, Int8Cache)
+            assert torch.equal(a.values, b.values) and torch.equal(a.scales, b.scales)
 
 
 @pytest.mark.skipif(

@@ -19,6 +19,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.startup import make_attention
 from kernels import cpu_pair_linear
 from kernels.cpu_stack import StackLayer, load_cpu_decode_stack
+from kernels.kv_int8 import Int8Cache
 from tests.cpu_features import has_avx512_bf16
 from tests.worker_steps import CountingRuns, save_tiny_llama
 
@@ -40,16 +41,19 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-stack"), **SHAPES[request.param])
 
 
-def bfloat16_model(tiny: tuple[ModelConfig, Any], stack: bool) -> tuple[LlamaModel, KVCache]:
+def bfloat16_model(
+    tiny: tuple[ModelConfig, Any], stack: bool, kv_int8: bool = False
+) -> tuple[LlamaModel, KVCache]:
     config, weights = tiny
     model = LlamaModel(config, torch.bfloat16, CPU)
     model.load_weights(weights)
-    attention = make_attention("cpu", config, torch.bfloat16, CPU, BLOCK_SIZE)
+    attention = make_attention("cpu", config, torch.bfloat16, CPU, BLOCK_SIZE, kv_int8=kv_int8)
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
+    assert attention.decode_stack.kv_int8 == kv_int8
     if not stack:
         attention.decode_stack = None
     model.use_attention(attention)
-    return model, allocate_kv_cache(config, 80, BLOCK_SIZE, torch.bfloat16, CPU)
+    return model, allocate_kv_cache(config, 80, BLOCK_SIZE, torch.bfloat16, CPU, kv_int8)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 19])  # 19: more than one tile or block of rows
@@ -84,6 +88,37 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     assert len(boundaries) == (12 * tiny[0].num_layers if with_yield_points else 0)
     for (k_a, v_a), (k_b, v_b) in zip(stacked_cache, per_op_cache, strict=True):
         assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.mark.parametrize("rows", [1, 19])
+def test_on_an_int8_cache_the_stack_computes_the_per_op_forward_bit_for_bit(
+    tiny: tuple[ModelConfig, Any], rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--kv-cache-dtype int8`: the stack's build quantizes the step's rows and reads the int8 cache
+    as the per-op path's C write and decode kernel do; caches, scales and logits alike."""
+    counting = CountingRuns(monkeypatch)
+    stacked, stacked_cache = bfloat16_model(tiny, stack=True, kv_int8=True)
+    per_op, per_op_cache = bfloat16_model(tiny, stack=False, kv_int8=True)
+    tables = [list(range(4 * s, 4 * s + 4)) for s in range(rows)]
+    prompts = [[(5 * i + 3 * s) % 250 + 3 for i in range(9 if s % 2 == 0 else 15)] for s in range(rows)]
+    batch = build_forward_batch(
+        [ScheduledChunk(p, 0, tables[s], True) for s, p in enumerate(prompts)], BLOCK_SIZE, CPU
+    )
+    first = stacked(batch, stacked_cache)
+    assert torch.equal(first, per_op(batch, per_op_cache))
+    tokens, lengths = first.argmax(-1).tolist(), [len(p) for p in prompts]
+    for _ in range(10):
+        decode = [ScheduledChunk([tokens[s]], lengths[s], tables[s], True) for s in range(rows)]
+        batch = build_forward_batch(decode, BLOCK_SIZE, CPU)
+        logits = stacked(batch, stacked_cache)
+        assert torch.equal(logits, per_op(batch, per_op_cache))
+        tokens, lengths = logits.argmax(-1).tolist(), [n + 1 for n in lengths]
+    assert counting.runs == 10
+    for pair_a, pair_b in zip(stacked_cache, per_op_cache, strict=True):
+        for a, b in zip(pair_a, pair_b, strict=True):
+            assert isinstance(a, Int8Cache) and isinstance(b, Int8Cache)
+            assert torch.equal(a.values, b.values) and torch.equal(a.scales, b.scales)
+            assert int(a.values.abs().max()) == 127  # written: each row's largest is 127
 
 
 def test_a_step_run_between_layers_of_a_stacked_step_leaves_both_as_they_would_be_alone(

@@ -15,6 +15,8 @@
  *     blocks (any type the block linear takes), up to 64 rows, in float32 (-DELEM_BF16=0) or, on CPUs that cannot
  *     multiply bfloat16, in bfloat16 (-DELEM_BF16=1: the linears' inputs widened, their outputs
  *     rounded).
+ * Either kind with -DKV_INT8=1 keeps the KV cache in int8 rows with a scale each (kernels/kv_int8.py):
+ * the write quantizes, the attention reads the int8 rows.
  */
 #include <stdint.h>
 #include <string.h>
@@ -65,13 +67,14 @@ typedef struct {
     const void *gate_up;          /* [2 ffn, hidden] */
     const void *down;             /* [hidden, ffn] */
     const elem_t *next_norm;      /* [hidden]: the next layer's input norm, or the final norm */
-    elem_t *k_cache, *v_cache;    /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] */
+    cache_t *k_cache, *v_cache;   /* [num_blocks, BLOCK, num_kv_heads, HEAD_DIM] (int8 with KV_INT8) */
     int32_t qkv_type, o_type, gate_up_type, down_type;
     /* Block build, where a fused linear's parts have blocks of different types (a K-quant file's
      * attn_v often has more bits than attn_q and attn_k): k's and v's blocks, qkv then holding q's
      * alone; up's, gate_up then holding gate's. NULL where the fused blocks are one type. */
     const void *k_part, *v_part, *up_part;
     int32_t k_type, v_type, up_type;
+    float *k_scale, *v_scale; /* KV_INT8: [num_blocks, num_kv_heads, BLOCK]; else NULL */
 } duoserve_layer;
 
 /* The shape of the model and of the step. */
@@ -117,10 +120,17 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
             LINEAR(layer, qkv, x, hidden, layer->qkv_bias, qkv, rows, qkv_size, num_threads);
         duoserve_rotary(qkv, qkv_size, q_size / HEAD_DIM, qkv + q_size, qkv_size, step->num_kv_heads,
                         step->cos_table, step->sin_table, rows, HEAD_DIM / 2, num_threads);
+#if KV_INT8
+        duoserve_write_kv_int8(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache,
+                               layer->v_cache, layer->k_scale, layer->v_scale, step->slots, rows, step->num_kv_heads,
+                               HEAD_DIM, BLOCK, num_threads);
+#else
         duoserve_write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache, layer->v_cache,
                           step->slots, rows, kv_size);
+#endif
         for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * qkv_size, q_size * sizeof(elem_t));
-        duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, step->block_tables, step->context_lens,
+        duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, layer->k_scale, layer->v_scale,
+                                        step->block_tables, step->context_lens,
                                         attn, rows, step->num_kv_heads, step->max_blocks, step->scale,
                                         num_threads);
         LINEAR(layer, o, attn, q_size, NULL, out, rows, hidden, num_threads);

@@ -16,6 +16,11 @@
  * same libgomp as torch, so the kernel and torch's own ops use one thread pool. Scores, the
  * softmax and value sums take an intrinsics path: AVX-512 where the CPU has it (and block sizes
  * in 16s, head_dim in 32s), else AVX2 + FMA (block sizes in 8s), else plain C.
+ *
+ * With -DKV_INT8=1 the cache holds int8 rows, each (slot, kv head) with a float32 scale of its own
+ * (k_scale / v_scale: [num_blocks, num_kv_heads, BLOCK]): a key's dot product is taken on its int8
+ * values and then scaled; a value's scale is folded into its softmax weight. Half the bytes of a
+ * bfloat16 cache to read per step, the same float32 arithmetic.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -25,6 +30,14 @@
 
 #if !defined(HEAD_DIM) || !defined(GROUP) || !defined(BLOCK) || !defined(ELEM_BF16)
 #error "build with -DHEAD_DIM=.. -DGROUP=.. -DBLOCK=.. -DELEM_BF16=0|1"
+#endif
+#ifndef KV_INT8
+#define KV_INT8 0
+#endif
+#if KV_INT8
+typedef int8_t cache_t;
+#else
+typedef elem_t cache_t;
 #endif
 #ifndef VECTOR_BITS /* the widest path to take, as the CPU allows: 512, 256 or 0 (plain C); the tests build each */
 #define VECTOR_BITS 512
@@ -56,10 +69,10 @@ typedef struct {
     int64_t row, line;
 } fetch_cursor;
 
-static inline fetch_cursor fetch_start(const elem_t *next, int64_t row, int64_t heads, int64_t calls)
+static inline fetch_cursor fetch_start(const cache_t *next, int64_t row, int64_t heads, int64_t calls)
 {
-    const int64_t lines_per_row = (heads * HEAD_DIM * (int64_t)sizeof(elem_t) + 63) / 64;
-    const fetch_cursor cursor = {(const char *)next, row * (int64_t)sizeof(elem_t), lines_per_row,
+    const int64_t lines_per_row = (heads * HEAD_DIM * (int64_t)sizeof(cache_t) + 63) / 64;
+    const fetch_cursor cursor = {(const char *)next, row * (int64_t)sizeof(cache_t), lines_per_row,
                                  (BLOCK * lines_per_row + calls - 1) / calls, 0, 0};
     return cursor;
 }
@@ -83,15 +96,17 @@ static inline void fetch_some(fetch_cursor *c)
  * query multiplies bfloat16 keys in pairs (exact products, float32 sums) and the scale is applied
  * to the sums. Values accumulate with each kv head's GROUP output rows held in registers.
  */
-#if ELEM_BF16 && defined(__AVX512BF16__)
+#if ELEM_BF16 && !KV_INT8 && defined(__AVX512BF16__)
 #define DOT_BF16 1
 #else
 #define DOT_BF16 0
 #endif
 
-static inline __m512 load16(const elem_t *p)
+static inline __m512 load16(const cache_t *p)
 {
-#if ELEM_BF16
+#if KV_INT8
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif ELEM_BF16
     return load16_bf16(p);
 #else
     return _mm512_loadu_ps(p);
@@ -106,9 +121,11 @@ static inline __m512 load16(const elem_t *p)
  * (AVX2 has 16 registers: at most 12 of them sums), so a block's values are read HEAD_DIM /
  * (8 * VALUE_VECS) times, from the first-level cache after the first.
  */
-static inline __m256 load8(const elem_t *p)
+static inline __m256 load8(const cache_t *p)
 {
-#if ELEM_BF16
+#if KV_INT8
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif ELEM_BF16
     return load8_bf16(p);
 #else
     return _mm256_loadu_ps(p);
@@ -119,24 +136,59 @@ static inline __m256 load8(const elem_t *p)
 #define VALUE_VECS (VECS_FIT(8) ? 8 : VECS_FIT(4) ? 4 : VECS_FIT(2) ? 2 : 1)
 #endif
 
+/* A cache element as float32 (an int8 one before its scale). */
+static inline float load_cached(cache_t x)
+{
+#if KV_INT8
+    return (float)x;
+#else
+    return load(x);
+#endif
+}
+
 /*
  * scores[h * GROUP + g][t] = q·k / sqrt(HEAD_DIM) for the block's slots t (rows `row` elements
  * apart), -1e30 from slot `valid` on (those slots hold stale data). q: the item's query rows;
- * qf: the same, scaled, in float32.
+ * qf: the same, scaled, in float32. key_scales: with KV_INT8, the block's keys' scales (head h's
+ * BLOCK of them at h * BLOCK), else unused.
  */
-static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *keys, int64_t row, int64_t heads,
-                         int64_t valid, float scale, float (*scores)[BLOCK], fetch_cursor *fetch)
+static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const cache_t *keys, const float *key_scales,
+                         int64_t row, int64_t heads, int64_t valid, float scale, float (*scores)[BLOCK],
+                         fetch_cursor *fetch)
 {
+    (void)key_scales;
 #if VECTOR_PATH == 512
     (void)q, (void)qf; /* the bfloat16 dot products read q, the others qf */
     for (int64_t h = 0; h < heads; h++) {
         for (int t0 = 0; t0 < BLOCK; t0 += 16) {
             const int64_t left = valid - t0;
             const __mmask16 live = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+#if KV_INT8
+            /* Each key widened once for all GROUP query rows (widening int8 costs two instructions
+             * a vector, as much as the multiply-adds of two rows). */
+            __m512 dots[GROUP][16];
+            for (int t = 0; t < 16; t++) {
+                const cache_t *key = keys + (t0 + t) * row + h * HEAD_DIM;
+                __m512 wide[HEAD_DIM / 16];
+                for (int c = 0; c < HEAD_DIM / 16; c++) wide[c] = load16(key + 16 * c);
+                for (int g = 0; g < GROUP; g++) {
+                    __m512 dot = _mm512_mul_ps(_mm512_load_ps(qf[h * GROUP + g]), wide[0]);
+                    for (int c = 1; c < HEAD_DIM / 16; c++)
+                        dot = _mm512_fmadd_ps(_mm512_load_ps(qf[h * GROUP + g] + 16 * c), wide[c], dot);
+                    dots[g][t] = dot;
+                }
+            }
+            const __m512 key_scale = _mm512_loadu_ps(key_scales + h * BLOCK + t0);
+            for (int g = 0; g < GROUP; g++) {
+                fetch_some(fetch);
+                const __m512 sums = _mm512_mul_ps(sum16(dots[g]), key_scale);
+                _mm512_store_ps(scores[h * GROUP + g] + t0, _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), sums));
+            }
+#else
             for (int g = 0; g < GROUP; g++) {
                 __m512 dots[16];
                 for (int t = 0; t < 16; t++) {
-                    const elem_t *key = keys + (t0 + t) * row + h * HEAD_DIM;
+                    const cache_t *key = keys + (t0 + t) * row + h * HEAD_DIM;
                     __m512 dot = _mm512_setzero_ps();
 #if DOT_BF16
                     const elem_t *query = q + (h * GROUP + g) * HEAD_DIM;
@@ -154,6 +206,7 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
                 if (DOT_BF16) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
                 _mm512_store_ps(scores[h * GROUP + g] + t0, _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), sums));
             }
+#endif
         }
     }
 #elif VECTOR_PATH == 256
@@ -165,7 +218,7 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
                 /* The 8 keys' sums side by side: 8 independent multiply-adds per step, as many as
                  * the two FMA units' latency needs to stay busy. */
                 const float *query = qf[h * GROUP + g];
-                const elem_t *key = keys + t0 * row + h * HEAD_DIM;
+                const cache_t *key = keys + t0 * row + h * HEAD_DIM;
                 __m256 dots[8];
                 for (int t = 0; t < 8; t++) dots[t] = _mm256_mul_ps(_mm256_load_ps(query), load8(key + t * row));
                 for (int c = 8; c < HEAD_DIM; c += 8) {
@@ -173,7 +226,9 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
                     for (int t = 0; t < 8; t++) dots[t] = _mm256_fmadd_ps(qc, load8(key + t * row + c), dots[t]);
                 }
                 fetch_some(fetch);
-                _mm256_store_ps(scores[h * GROUP + g] + t0, _mm256_blendv_ps(_mm256_set1_ps(-1e30f), sum8x8(dots), live));
+                __m256 sums = sum8x8(dots);
+                if (KV_INT8) sums = _mm256_mul_ps(sums, _mm256_loadu_ps(key_scales + h * BLOCK + t0));
+                _mm256_store_ps(scores[h * GROUP + g] + t0, _mm256_blendv_ps(_mm256_set1_ps(-1e30f), sums, live));
             }
         }
     }
@@ -184,10 +239,11 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
         fetch_some(fetch);
         for (int64_t h = 0; h < heads; h++) {
             float kf[HEAD_DIM] __attribute__((aligned(64)));
-            for (int i = 0; i < HEAD_DIM; i++) kf[i] = load(keys[t * row + h * HEAD_DIM + i]);
+            for (int i = 0; i < HEAD_DIM; i++) kf[i] = load_cached(keys[t * row + h * HEAD_DIM + i]);
             for (int g = 0; g < GROUP; g++) {
                 float dot = 0.0f;
                 for (int i = 0; i < HEAD_DIM; i++) dot += qf[h * GROUP + g][i] * kf[i];
+                if (KV_INT8) dot *= key_scales[h * BLOCK + t];
                 scores[h * GROUP + g][t] = t < valid ? dot : -1e30f;
             }
         }
@@ -196,7 +252,7 @@ static void block_scores(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k
 }
 
 /* acc[h * GROUP + g] += p[h * GROUP + g][t] * value[t] over the block's first `valid` slots. */
-static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, int64_t valid,
+static void accumulate_values(const cache_t *values, int64_t row, int64_t heads, int64_t valid,
                               float (*p)[BLOCK], float (*acc)[HEAD_DIM], fetch_cursor *fetch)
 {
 #if VECTOR_PATH == 512
@@ -223,7 +279,7 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
             for (int g = 0; g < GROUP; g++)
                 for (int c = 0; c < VALUE_VECS; c++) sums[g][c] = _mm256_load_ps(acc[h * GROUP + g] + c0 + 8 * c);
             for (int64_t t = 0; t < valid; t++) {
-                const elem_t *value = values + t * row + h * HEAD_DIM + c0;
+                const cache_t *value = values + t * row + h * HEAD_DIM + c0;
                 for (int c = 0; c < VALUE_VECS; c++) {
                     const __m256 v = load8(value + 8 * c);
                     for (int g = 0; g < GROUP; g++)
@@ -240,7 +296,7 @@ static void accumulate_values(const elem_t *values, int64_t row, int64_t heads, 
         fetch_some(fetch);
         for (int64_t h = 0; h < heads; h++) {
             float vf[HEAD_DIM] __attribute__((aligned(64)));
-            for (int i = 0; i < HEAD_DIM; i++) vf[i] = load(values[t * row + h * HEAD_DIM + i]);
+            for (int i = 0; i < HEAD_DIM; i++) vf[i] = load_cached(values[t * row + h * HEAD_DIM + i]);
             for (int g = 0; g < GROUP; g++) {
                 const float weight = p[h * GROUP + g][t];
                 for (int i = 0; i < HEAD_DIM; i++) acc[h * GROUP + g][i] += weight * vf[i];
@@ -296,15 +352,40 @@ static void scale_queries(const elem_t *q, int64_t rows, float scale, float (*qf
         for (int i = 0; i < HEAD_DIM; i++) qf[g][i] = load(q[g * HEAD_DIM + i]) * scale;
 }
 
+/* The cache as a work item reads it: keys and values from its first kv head on, and with KV_INT8
+ * their scales (from the same head on; a block's are num_kv_heads * BLOCK floats apart). */
+typedef struct {
+    const cache_t *k, *v;
+    const float *k_scale, *v_scale;
+} kv_t;
+
+static inline kv_t kv_from_head(kv_t kv, int64_t head)
+{
+    const kv_t from = {kv.k + head * HEAD_DIM, kv.v + head * HEAD_DIM, kv.k_scale ? kv.k_scale + head * BLOCK : 0,
+                       kv.v_scale ? kv.v_scale + head * BLOCK : 0};
+    return from;
+}
+
+/* With KV_INT8, each softmax weight p[h * GROUP + g][t] times its value's scale. */
+static inline void scale_weights(float (*p)[BLOCK], const float *value_scales, int64_t heads)
+{
+#if KV_INT8
+    for (int64_t h = 0; h < heads; h++)
+        for (int g = 0; g < GROUP; g++)
+            for (int t = 0; t < BLOCK; t++) p[h * GROUP + g][t] *= value_scales[h * BLOCK + t];
+#else
+    (void)p, (void)value_scales, (void)heads;
+#endif
+}
+
 /*
  * The tokens [start, end) of a sequence (start a multiple of BLOCK) for `heads` kv heads, from the
- * kv head that k_cache and v_cache point at (1 for a per-head item; all of them, `num_kv_heads`,
+ * kv head that kv points at (1 for a per-head item; all of them, `num_kv_heads`,
  * for a whole sequence, whose blocks are then read row by row front to back; each head's
  * arithmetic is the same either way), into `s`. `after`: the block to prefetch while the last
  * one computes (-1: none).
  */
-static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k_cache, const elem_t *v_cache,
-                        const int32_t *table, int64_t start, int64_t end, int64_t num_kv_heads, int64_t heads,
+static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], kv_t kv, const int32_t *table, int64_t start, int64_t end, int64_t num_kv_heads, int64_t heads,
                         float scale, int64_t after, state_t *s)
 {
     const int64_t rows = heads * GROUP; /* query heads */
@@ -314,9 +395,18 @@ static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k_
         const int64_t block = table[at / BLOCK];
         const int64_t valid = end - at < BLOCK ? end - at : BLOCK;
         const int64_t next = at + BLOCK < end ? table[at / BLOCK + 1] : after;
-        fetch_cursor next_keys = fetch_start(next < 0 ? 0 : k_cache + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
-        fetch_cursor next_values = fetch_start(next < 0 ? 0 : v_cache + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
-        block_scores(q, qf, k_cache + block * BLOCK * ROW, ROW, heads, valid, scale, scores, &next_keys);
+        fetch_cursor next_keys = fetch_start(next < 0 ? 0 : kv.k + next * BLOCK * ROW, ROW, heads, SCORE_CALLS(heads));
+        fetch_cursor next_values = fetch_start(next < 0 ? 0 : kv.v + next * BLOCK * ROW, ROW, heads, VALUE_CALLS(heads));
+        const int64_t scales_at = block * num_kv_heads * BLOCK;
+#if KV_INT8
+        if (next >= 0) /* the next block's scales: a cache line or two per head */
+            for (int64_t line = 0; line < (heads * BLOCK * 4 + 63) / 64; line++) {
+                __builtin_prefetch((const char *)(kv.k_scale + next * num_kv_heads * BLOCK) + 64 * line, 0, 1);
+                __builtin_prefetch((const char *)(kv.v_scale + next * num_kv_heads * BLOCK) + 64 * line, 0, 1);
+            }
+#endif
+        block_scores(q, qf, kv.k + block * BLOCK * ROW, KV_INT8 ? kv.k_scale + scales_at : 0, ROW, heads, valid,
+                     scale, scores, &next_keys);
 #if VECTOR_PATH == 512
         for (int64_t g = 0; g < rows; g++) {
             __m512 top = _mm512_set1_ps(s->max[g]);
@@ -368,7 +458,8 @@ static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], const elem_t *k_
             for (int i = 0; i < HEAD_DIM; i++) s->acc[g][i] *= rescale;
         }
 #endif
-        accumulate_values(v_cache + block * BLOCK * ROW, ROW, heads, valid, scores, s->acc, &next_values);
+        scale_weights(scores, KV_INT8 ? kv.v_scale + scales_at : 0, heads);
+        accumulate_values(kv.v + block * BLOCK * ROW, ROW, heads, valid, scores, s->acc, &next_values);
     }
 }
 
@@ -396,7 +487,7 @@ static void finish(int64_t rows, const state_t *s, elem_t *out)
  * A work item: `heads` kv heads of one sequence, all its parts in order. `then_table`: the table
  * of the sequence this thread takes next (its first block is prefetched during the last), or NULL.
  */
-static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *table,
+static void attend(const elem_t *q, kv_t kv, const int32_t *table,
                    int64_t context_len, elem_t *out, int64_t num_kv_heads, int64_t heads, float scale,
                    const int32_t *then_table)
 {
@@ -408,7 +499,7 @@ static void attend(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache
     for (int64_t start = 0; start < context_len; start += PART_TOKENS) {
         const int64_t end = context_len - start < PART_TOKENS ? context_len : start + PART_TOKENS;
         const int64_t after = end < context_len ? table[end / BLOCK] : then_table ? then_table[0] : -1;
-        attend_part(q, qf, k_cache, v_cache, table, start, end, num_kv_heads, heads, scale, after, &part);
+        attend_part(q, qf, kv, table, start, end, num_kv_heads, heads, scale, after, &part);
         merge(rows, &total, &part.acc[0][0], part.max, part.sum);
     }
     finish(rows, &total, out);
@@ -454,7 +545,7 @@ static inline void find_part(const int32_t *context_lens, int64_t index, int64_t
  * balance gains). */
 #define SPLIT_ABOVE (4 * PART_TOKENS)
 
-static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache, const int32_t *block_tables,
+static int attend_parts(const elem_t *q, kv_t kv, const int32_t *block_tables,
                         const int32_t *context_lens, elem_t *out, int64_t num_seqs, int64_t num_kv_heads,
                         int64_t max_blocks, float scale, int num_threads)
 {
@@ -491,8 +582,8 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
             float qf[MAX_ROWS][HEAD_DIM] __attribute__((aligned(64)));
             state_t state;
             scale_queries(q + head0 * HEAD_DIM, rows, scale, qf);
-            attend_part(q + head0 * HEAD_DIM, qf, k_cache + kv0 * HEAD_DIM, v_cache + kv0 * HEAD_DIM, table, start,
-                        end, num_kv_heads, heads, scale, after, &state);
+            attend_part(q + head0 * HEAD_DIM, qf, kv_from_head(kv, kv0), table, start, end, num_kv_heads, heads, scale,
+                        after, &state);
             if (len <= PART_TOKENS) {
                 finish(rows, &state, out + head0 * HEAD_DIM);
             } else {
@@ -528,15 +619,17 @@ static int attend_parts(const elem_t *q, const elem_t *k_cache, const elem_t *v_
 
 /*
  * q, out: [num_seqs, num_kv_heads * GROUP, HEAD_DIM], contiguous.
- * k_cache, v_cache: [num_blocks, BLOCK, num_kv_heads, HEAD_DIM], contiguous.
+ * k_cache, v_cache: [num_blocks, BLOCK, num_kv_heads, HEAD_DIM], contiguous (int8 with KV_INT8).
+ * k_scale, v_scale: with KV_INT8, [num_blocks, num_kv_heads, BLOCK] float32, contiguous; else unused.
  * block_tables: [num_seqs, max_blocks] int32, row n covering context_lens[n] >= 1 tokens.
  */
-void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, const elem_t *v_cache,
-                                     const int32_t *block_tables, const int32_t *context_lens, elem_t *out,
+void duoserve_paged_decode_attention(const elem_t *q, const cache_t *k_cache, const cache_t *v_cache,
+                                     const float *k_scale, const float *v_scale, const int32_t *block_tables, const int32_t *context_lens, elem_t *out,
                                      int64_t num_seqs, int64_t num_kv_heads, int64_t max_blocks, float scale,
                                      int num_threads)
 {
     const int64_t num_heads = num_kv_heads * GROUP;
+    const kv_t kv = {k_cache, v_cache, KV_INT8 ? k_scale : 0, KV_INT8 ? v_scale : 0};
     if (num_kv_heads <= MAX_HEADS_PER_ITEM && num_seqs >= 4 * num_threads) {
         /* Enough sequences to share out whole: read each one's rows front to back. */
         /* Shared out one at a time, as schedule(dynamic, 1) would, but each thread takes its next
@@ -547,7 +640,7 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
             int64_t seq = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
             while (seq < num_seqs) {
                 const int64_t then = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-                attend(q + seq * num_heads * HEAD_DIM, k_cache, v_cache, block_tables + seq * max_blocks,
+                attend(q + seq * num_heads * HEAD_DIM, kv, block_tables + seq * max_blocks,
                        context_lens[seq], out + seq * num_heads * HEAD_DIM, num_kv_heads, num_kv_heads, scale,
                        then < num_seqs ? block_tables + then * max_blocks : NULL);
                 seq = then;
@@ -557,7 +650,7 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
     }
     int64_t longest = 0;
     for (int64_t n = 0; n < num_seqs; n++) longest = context_lens[n] > longest ? context_lens[n] : longest;
-    if (longest > SPLIT_ABOVE && attend_parts(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+    if (longest > SPLIT_ABOVE && attend_parts(q, kv, block_tables, context_lens, out, num_seqs,
                                               num_kv_heads, max_blocks, scale, num_threads))
         return;
     /* Short contexts (or no buffer for the parts): (sequence, kv head) items, each its parts in turn. */
@@ -565,9 +658,8 @@ void duoserve_paged_decode_attention(const elem_t *q, const elem_t *k_cache, con
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
         const int64_t head0 = seq * num_heads + kv_head * GROUP;
-        attend(q + head0 * HEAD_DIM, k_cache + kv_head * HEAD_DIM, v_cache + kv_head * HEAD_DIM,
-               block_tables + seq * max_blocks, context_lens[seq], out + head0 * HEAD_DIM, num_kv_heads, 1, scale,
-               NULL);
+        attend(q + head0 * HEAD_DIM, kv_from_head(kv, kv_head), block_tables + seq * max_blocks, context_lens[seq],
+               out + head0 * HEAD_DIM, num_kv_heads, 1, scale, NULL);
     }
 }
 

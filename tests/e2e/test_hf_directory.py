@@ -134,6 +134,58 @@ def test_a_stream_interval_groups_streamed_tokens_and_keeps_the_output(tiny_mode
     assert whole.token_ids == reference(tiny_model_dir, [prompt])[0]
 
 
+def greedy_gaps(model_dir: Path, prompt: list[int], served: list[int]) -> list[float]:
+    """For each served token, how far its logit in transformers float32 (fed the served prefix)
+    lies below that position's largest: 0 where the token is transformers' own greedy choice."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + served])).logits[0, len(prompt) - 1 : -1]
+    return [float(row.max() - row[token]) for row, token in zip(logits, served, strict=True)]
+
+
+def test_an_int8_kv_cache_serves_the_greedy_tokens_within_its_rounding(tiny_model_dir: Path) -> None:
+    """--kv-cache-dtype int8, with prompts in chunks of 64 tokens (so later chunks read their prefix
+    from the int8 cache) and one prompt twice (the second finds it in the prefix cache): ListModels
+    says int8; every served token is transformers' greedy choice on the same prefix or within 0.05
+    of its logit (the cache's rounding, about 1/254 of each row's largest value, moves the logits by
+    a few thousandths here); streaming and a repeat give the same tokens."""
+    server = start_server(
+        "--model", str(tiny_model_dir), "--dtype", "float32", "--metrics-port", "0",
+        "--kv-cache-dtype", "int8", "--prefill-chunk", "64",
+    )  # fmt: skip
+    try:
+        with Client(server.target) as client:
+            (model,) = client.list_models()
+            prompts = [
+                client.tokenize(f"Int8 prompt {i}: " + "words and more words " * (i * 20)) for i in range(3)
+            ]
+            served = [
+                client.generate(prompt_token_ids=p, max_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+                for p in prompts
+            ]
+            again = client.generate(prompt_token_ids=prompts[2], max_tokens=NEW_TOKENS, ignore_eos=True)
+            streamed = list(
+                client.stream(prompt_token_ids=prompts[1], max_tokens=NEW_TOKENS, ignore_eos=True)
+            )
+    finally:
+        assert server.stop() == 0
+    assert model.kv_cache_dtype == "int8" and model.dtype == "float32"
+    assert "KV blocks of 16 tokens (int8)" in server.log()
+    assert max(len(p) for p in prompts) > 128  # three chunks or more
+    assert again.usage is not None and again.usage.cached_prompt_tokens >= 128
+    assert again.token_ids == served[2]
+    assert [t for chunk in streamed for t in chunk.token_ids] == served[1]
+    gaps = [
+        gap
+        for prompt, tokens in zip(prompts, served, strict=True)
+        for gap in greedy_gaps(tiny_model_dir, prompt, tokens)
+    ]
+    assert len(gaps) == 3 * NEW_TOKENS and max(gaps) < 0.05, gaps
+
+
 def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloat16_dir: Path) -> None:
     """float32 serving of a bfloat16 checkpoint on the CPU: decode steps multiply the file's
     bfloat16 tensors on the block kernel (half the bytes of float32 copies); greedy output equals

@@ -132,6 +132,14 @@ def test_worker_config_checks_its_flags() -> None:
     ):
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
+    assert worker_config(parse([*base, "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    for backend in ("torch", "triton"):  # an int8 cache is read by the cpu backend's kernels alone
+        with pytest.raises(
+            ValueError, match="--kv-cache-dtype='int8' is invalid: allowed auto with --attention-backend"
+        ):
+            worker_config(parse([*base, "--kv-cache-dtype", "int8", "--attention-backend", backend]))
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse([*base, "--kv-cache-dtype", "fp8"])
     tuned = worker_config(parse([*base, "--sbo-depth", "4", "--compute-streams", "2", "--no-cuda-graphs"]))
     assert (tuned.sbo_depth, tuned.compute_streams, tuned.cuda_graphs) == (4, 2, False)
     assert config.sbo_switch_interval_ms == 0.2

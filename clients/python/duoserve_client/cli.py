@@ -187,7 +187,7 @@ def _run(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             print(
                 f"{m.name}  dtype={m.dtype} backend={m.attention_backend} context={m.context_length} "
                 f"block_size={m.block_size} kv_blocks={m.kv_cache_blocks} kv_tokens={m.kv_cache_tokens} "
-                f"vocab={m.vocab_size} workers={m.num_workers}",
+                f"vocab={m.vocab_size} workers={m.num_workers} kv_cache_dtype={m.kv_cache_dtype or m.dtype}",
                 file=out,
             )
         return 0

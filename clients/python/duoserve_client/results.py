@@ -77,6 +77,7 @@ class ModelInfo:
     kv_cache_tokens: int
     vocab_size: int
     num_workers: int
+    kv_cache_dtype: str = ""  # what the KV cache stores: the dtype, or "int8"; "" from an older server
 
 
 def finish_reason_name(value: int) -> str | None:
@@ -144,4 +145,5 @@ def model_info_from_proto(info: inference_pb2.ModelInfo) -> ModelInfo:
         kv_cache_tokens=info.kv_cache_tokens,
         vocab_size=info.vocab_size,
         num_workers=info.num_workers,
+        kv_cache_dtype=info.kv_cache_dtype,
     )

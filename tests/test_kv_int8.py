@@ -1,0 +1,242 @@
+"""The int8 KV cache (`--kv-cache-dtype int8`): its quantized write and the CPU decode kernel that reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_build import KernelBuildError
+from kernels.cpu_decode import load_cpu_decode_attention, paged_decode_attention_reference
+from kernels.kv_int8 import Int8Cache, dequantize, dequantize_slots, quantize_rows, write_kv_int8
+from tests.test_cpu_decode_kernel import TOLERANCE, VECTOR_PATHS, make_case
+
+
+def as_int8(cache: torch.Tensor) -> Int8Cache:
+    """A dense cache [blocks, block_size, Hkv, D], quantized row by row into the int8 layout."""
+    q, scales = quantize_rows(cache)  # [blocks, bs, Hkv, D], [blocks, bs, Hkv]
+    return Int8Cache(q.contiguous(), scales.transpose(1, 2).contiguous())
+
+
+def test_quantized_rows_are_within_half_a_step_of_the_input() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=gen) * torch.rand(50, 3, 1, generator=gen) * 10
+    x[4, 1] = 0.0  # an all-zero row: scale 0, values 0, no NaN
+    q, scales = quantize_rows(x)
+    assert q.dtype == torch.int8 and scales.shape == (50, 3)
+    assert int(q.abs().max()) == 127
+    back = q.float() * scales[..., None]
+    assert torch.isfinite(back).all() and float(back[4, 1].abs().max()) == 0.0
+    assert bool((back - x).abs().le(scales[..., None] * 0.5 + 1e-6).all())
+
+
+def test_write_puts_rows_and_scales_at_their_slots_and_skips_negative_slots() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = Int8Cache.zeros(4, 8, 2, 16, "cpu"), Int8Cache.zeros(4, 8, 2, 16, "cpu")
+    k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    slots = torch.tensor([0, 9, -1, 31, 17])
+    write_kv_int8(k_cache, v_cache, k, v, slots)
+    keep = slots >= 0
+    for cache, rows in ((k_cache, k), (v_cache, v)):
+        back = dequantize_slots(cache, slots[keep], torch.float32)
+        scales = quantize_rows(rows[keep])[1]
+        assert bool((back - rows[keep]).abs().le(scales[..., None] * 0.5 + 1e-6).all())
+        untouched = torch.ones(32, dtype=torch.bool)
+        untouched[slots[keep]] = False
+        assert int(cache.values.view(32, -1)[untouched].abs().sum()) == 0
+        assert float(cache.scales.transpose(1, 2).reshape(32, -1)[untouched].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("vector_bits", VECTOR_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "group", "head_dim"),
+    [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (24, 2, 3, 40), (8, 1, 16, 8)],
+)
+def test_int8_kernel_matches_reference_at_block_edges(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int, vector_bits: int
+) -> None:
+    """Every intrinsics path a CPU may take, on an int8 cache: the reference attends to the rows
+    times their scales in float32, which is what the kernel computes."""
+    b = block_size
+    lengths = [1, 2, b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 7 * b + 3]
+    q, k_dense, v_dense, tables, lens = make_case(lengths, b, num_kv_heads, group, head_dim, dtype)
+    k_cache, v_cache = as_int8(k_dense), as_int8(v_dense)
+    kernel = load_cpu_decode_attention(head_dim, group, block_size, dtype, vector_bits, kv_int8=True)
+    out = kernel(q, k_cache, v_cache, tables, lens)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # And it stays close to attention over the unquantized cache: int8 rows lose about 0.4% of a row's largest value.
+    dense = paged_decode_attention_reference(q, k_dense, v_dense, tables, lens)
+    assert float((out.float() - dense.float()).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("lengths", [[1000, 600], [1000], [600], [2049, 5]])
+def test_int8_kernel_split_work_items_match_the_reference(lengths: list[int]) -> None:
+    """Long sequences in few: the step is split into parts of 128 tokens (per kv head or all of them)."""
+    q, k_dense, v_dense, tables, lens = make_case(lengths, 16, 3, 3, 64, torch.bfloat16, seed=7)
+    k_cache, v_cache = as_int8(k_dense), as_int8(v_dense)
+    kernel = load_cpu_decode_attention(64, 3, 16, torch.bfloat16, kv_int8=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernel(q, k_cache, v_cache, tables, lens)
+    finally:
+        torch.set_num_threads(threads)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_int8_kernel_refuses_a_dense_cache_and_the_dense_kernel_an_int8_one() -> None:
+    q, k_dense, v_dense, tables, lens = make_case([20], 16, 3, 3, 64, torch.bfloat16)
+    int8 = load_cpu_decode_attention(64, 3, 16, torch.bfloat16, kv_int8=True)
+    dense = load_cpu_decode_attention(64, 3, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache"):
+        int8(q, k_dense, v_dense, tables, lens)
+    with pytest.raises(ValueError, match="k_cache"):
+        dense(q, as_int8(k_dense), as_int8(v_dense), tables, lens)
+    bad = as_int8(k_dense)
+    with pytest.raises(ValueError, match="scales"):
+        int8(q, Int8Cache(bad.values, bad.scales[:, :, :8].contiguous()), as_int8(v_dense), tables, lens)
+
+
+def test_dequantize_gives_the_rows_times_their_scales() -> None:
+    cache = as_int8(torch.randn(3, 8, 2, 16))
+    dense = dequantize(cache, torch.float32)
+    slots = torch.arange(24)
+    torch.testing.assert_close(
+        dequantize_slots(cache, slots, torch.float32), dense.view(24, 2, 16), rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: the scalar loop (the vector one takes 16s)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_write_equals_the_reference_bit_for_bit(dtype: torch.dtype, head_dim: int) -> None:
+    """The fused C write (kernels/cpu_fused.py) on strided rows (views into a qkv buffer), skipping
+    slot -1; 200 tokens are shared out over the threads."""
+    from kernels.cpu_fused import load_cpu_fused_ops
+
+    d = head_dim
+    gen = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(200, 9 * d + 2 * 3 * d, generator=gen) * 3).to(dtype)
+    k = qkv[:, 9 * d : 12 * d].view(200, 3, d)
+    v = qkv[:, 12 * d :].view(200, 3, d)
+    k[2, 1] = 0  # an all-zero row
+    k[3, 0, 5] = 1e30  # a huge value: the rest of its row rounds to 0
+    slots = torch.randperm(16 * 16, generator=gen)[:200]
+    slots[7] = -1
+    ours = (Int8Cache.zeros(16, 16, 3, d, "cpu"), Int8Cache.zeros(16, 16, 3, d, "cpu"))
+    reference = (Int8Cache.zeros(16, 16, 3, d, "cpu"), Int8Cache.zeros(16, 16, 3, d, "cpu"))
+    load_cpu_fused_ops(dtype).write_kv(k, v, ours[0], ours[1], slots)
+    write_kv_int8(reference[0], reference[1], k, v, slots)
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert torch.equal(mine.values, theirs.values)
+        assert torch.equal(mine.scales, theirs.scales)
+    with pytest.raises(ValueError, match="v_cache"):
+        load_cpu_fused_ops(dtype).write_kv(k, v, ours[0], torch.zeros(16, 16, 3, d, dtype=dtype), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_dequantize_equals_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    from kernels.cpu_fused import load_cpu_fused_ops
+
+    cache = as_int8(torch.randn(5, 16, 3, 64) * 4)
+    slots = torch.tensor([0, 79, 16, 33, 15, 64])
+    out = torch.empty(6, 3, 64, dtype=dtype)
+    load_cpu_fused_ops(dtype).dequantize_kv_int8(cache, slots, out)
+    assert torch.equal(out, dequantize_slots(cache, slots, dtype))
+    with pytest.raises(ValueError, match="slots"):
+        load_cpu_fused_ops(dtype).dequantize_kv_int8(
+            cache, torch.tensor([80]), torch.empty(1, 3, 64, dtype=dtype)
+        )
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["c-ops", "torch-ops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_on_an_int8_cache_matches_attention_on_the_dense_cache(
+    dtype: torch.dtype, fused: bool
+) -> None:
+    """A mixed batch (decodes at block edges, a chunk behind a cached prefix, a fresh prompt) through
+    the cpu backend on an int8 cache, with the C write and dequantization or their torch
+    definitions, against the torch backend on the same cache contents unquantized: they differ by
+    the quantization alone. The int8 cache then holds the step's rows, quantized."""
+    from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
+    from gpu_worker.batch import ScheduledChunk, build_forward_batch
+    from kernels.cpu_fused import load_cpu_fused_ops
+    from kernels.cpu_prefill import load_prefill_attention
+
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 16
+    torch.manual_seed(0)
+    dense_k = torch.randn(40, block_size, num_kv_heads, head_dim).to(dtype)
+    dense_v = torch.randn_like(dense_k)
+    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    dense_k, dense_v = (
+        dequantize(k_cache, dtype),
+        dequantize(v_cache, dtype),
+    )  # the same contents, unquantized
+    chunks = [
+        ScheduledChunk([1], start_position=0, block_table=[3], needs_logits=True),
+        ScheduledChunk(
+            [1, 2, 3], start_position=29, block_table=[5, 7], needs_logits=True
+        ),  # behind a prefix
+        ScheduledChunk(
+            [4], start_position=32, block_table=[8, 9, 10], needs_logits=True
+        ),  # decode at a boundary
+        ScheduledChunk([5, 6], start_position=0, block_table=[11], needs_logits=True),  # fresh prompt
+    ]
+    batch = build_forward_batch(chunks, block_size, "cpu")
+    q = torch.randn(batch.num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
+    kernel = load_cpu_decode_attention(head_dim, num_heads // num_kv_heads, block_size, dtype, kv_int8=True)
+    try:
+        prefill = load_prefill_attention(head_dim, dtype=dtype) if fused else None
+    except KernelBuildError:  # a CPU without the prefill kernel: torch's attention
+        prefill = None
+    attention = CpuPagedAttention(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        kernel=kernel,
+        fused_ops=load_cpu_fused_ops(dtype) if fused else None,
+        prefill_kernel=prefill,
+    )
+    out = attention(q, k, v, (k_cache, v_cache), batch)
+    expected = TorchPagedAttention(num_heads, num_kv_heads, head_dim)(q, k, v, (dense_k, dense_v), batch)
+    assert float((out.float() - expected.float()).abs().max()) < 0.05
+    # The step's own rows went into the int8 cache at their slots, quantized.
+    written = dequantize_slots(k_cache, batch.slot_mapping, torch.float32)
+    assert float((written - k.float()).abs().max()) < 0.05
+
+
+def test_the_worker_refuses_an_int8_cache_where_no_kernel_reads_it() -> None:
+    """On a CUDA device, or in a dtype the CPU kernels lack, the worker stops saying why, naming the flag."""
+    from gpu_worker.model_config import ModelConfig
+    from gpu_worker.startup import make_attention
+
+    config = ModelConfig(
+        name="tiny", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, context_length=256, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=None, eos_token_ids=(2,),
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
+        make_attention("auto", config, torch.float32, torch.device("cuda"), 16, kv_int8=True)
+    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
+        make_attention("auto", config, torch.float16, torch.device("cpu"), 16, kv_int8=True)
+
+
+def test_an_int8_block_holds_close_to_twice_the_tokens_of_a_bfloat16_one() -> None:
+    from gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+    from gpu_worker.model_config import ModelConfig
+
+    config = ModelConfig(
+        name="smol", vocab_size=100, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, context_length=8192, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=None, eos_token_ids=(2,),
+    )  # fmt: skip
+    dense = kv_cache_bytes_per_block(config, 16, torch.bfloat16)
+    int8 = kv_cache_bytes_per_block(config, 16, torch.bfloat16, kv_int8=True)
+    assert dense == 2 * 30 * 16 * 3 * 64 * 2 and int8 == 2 * 30 * 16 * 3 * (64 + 4)
+    cache = allocate_kv_cache(config, 2, 16, torch.bfloat16, "cpu", kv_int8=True)
+    layer_bytes = sum(c.values.nbytes + c.scales.nbytes for c in cache[0] if isinstance(c, Int8Cache))
+    assert layer_bytes * config.num_layers == 2 * int8
