@@ -8,7 +8,8 @@ values, so what is timed is the forward alone (what the serving benchmark adds o
 scheduler, gRPC and the client sharing the cores). It prints, medians of repeated runs:
 - decode steps of 1, 16 and 64 sequences at 320 tokens of context, with duoserve's own decode
   linears (the pair-layout kernel, and the one-call decode stack) and with oneDNN alone
-  (`--no-small-batch-linear`'s path);
+  (`--no-small-batch-linear`'s path), and with the own linears on an int8 KV cache
+  (`--kv-cache-dtype int8`);
 - a prefill step of 8 whole 256-token prompts;
 - prefill steps (whole prompts, and a chunk behind a cached prefix) with and without the C
   prefill attention (kernels/cpu_prefill.py) and the MLP's SiLU as oneDNN post-ops
@@ -37,6 +38,7 @@ from gpu_worker.loader import load_model
 from gpu_worker.model import DecoderLayer, LlamaModel
 from gpu_worker.startup import make_attention
 from kernels import cpu_pair_linear
+from kernels.kv_int8 import Int8Cache
 from scheduler.model_files import find_default_model
 
 CONTEXT = 320
@@ -54,17 +56,21 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1000 * sorted(times)[len(times) // 2]
 
 
-def model_steps(path: Path, own_linears: bool, repeats: int) -> dict[str, float]:
+def model_steps(path: Path, own_linears: bool, repeats: int, kv_int8: bool = False) -> dict[str, float]:
     config, weights = load_model(path)
     cpu = torch.device("cpu")
     model = LlamaModel(config, torch.bfloat16, cpu, small_batch_linears=own_linears)
     model.load_weights(weights)
-    model.use_attention(make_attention("cpu", config, torch.bfloat16, cpu, BLOCK))
+    model.use_attention(make_attention("cpu", config, torch.bfloat16, cpu, BLOCK, kv_int8=kv_int8))
     blocks_per_seq = -(-(CONTEXT + 1) // BLOCK)
-    kv = allocate_kv_cache(config, 64 * blocks_per_seq, BLOCK, torch.bfloat16, cpu)
-    for k, v in kv:
-        k.normal_()
-        v.normal_()
+    kv = allocate_kv_cache(config, 64 * blocks_per_seq, BLOCK, torch.bfloat16, cpu, kv_int8)
+    for layer in kv:
+        for part in layer:
+            if isinstance(part, Int8Cache):  # rows of random values, as quantized ones look
+                part.values.copy_(torch.randint(-127, 128, part.values.shape, dtype=torch.int8))
+                part.scales.fill_(0.02)
+            else:
+                part.normal_()
     out = {}
     for seqs in (1, 16, 64):
         # Each sequence's blocks interleaved with the others', as sequences that decode together get them.
@@ -179,6 +185,7 @@ def main() -> int:
     steps = {
         "own linears + decode stack": model_steps(path, True, args.repeats),
         "oneDNN only": model_steps(path, False, args.repeats),
+        "own linears + decode stack, int8 KV cache": model_steps(path, True, args.repeats, kv_int8=True),
     }
     print("| step | " + " | ".join(steps) + " |")
     print("|---|" + "---|" * len(steps))

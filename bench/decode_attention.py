@@ -2,6 +2,7 @@
 
     python bench/decode_attention.py                 # CUDA: the Triton kernel; CPU: the C kernel
     python bench/decode_attention.py --json out.json
+    python bench/decode_attention.py --int8          # CPU: also the int8 KV cache against the dense one
 
 For each (sequences, context) case it times, on the same cache and block tables:
 - the kernel reading the paged cache in place (Triton on CUDA, kernels/cpu on the CPU);
@@ -146,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds in the paths table")
     parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="CPU: also the kernel on an int8 cache (--kv-cache-dtype int8) against the dense one",
+    )
+    parser.add_argument(
         "--model-steps",
         action="store_true",
         help="CPU: also SmolLM2's whole float32 decode step on each path",
@@ -209,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, object] = {"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}
     if device.type == "cpu":
         result["vector_paths"] = cpu_vector_paths(dtype, args.layers, args.rounds)
+        if args.int8:
+            result["int8_cache"] = cpu_int8_cache(dtype, args.layers, args.rounds)
         if args.model_steps:
             result["model_steps"] = cpu_model_steps(args.rounds)
     if args.json:
@@ -265,6 +273,52 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
             f"  {num_seqs:>5} {context:>8} "
             + " ".join(f"{ms:>9.2f}" for ms in best.values())
             + f" {kv_bytes / fastest / 1e6:>8.1f}",
+            flush=True,
+        )
+    return rows
+
+
+def cpu_int8_cache(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[str, object]]:
+    """The CPU kernel's widest path on the dense cache and on the same cache quantized to int8
+    (kernels/kv_int8.py), `layers` layers' caches a step as in the paths table; best of `rounds`
+    interleaved rounds of 10 steps. Bytes: what each must read (an int8 row and its scale)."""
+    from kernels.cpu_decode import load_cpu_decode_attention
+    from kernels.kv_int8 import Int8Cache, quantize_rows
+
+    def as_int8(cache: torch.Tensor) -> Int8Cache:
+        values, scales = quantize_rows(cache)
+        return Int8Cache(values.contiguous(), scales.transpose(1, 2).contiguous())
+
+    kernels = {
+        "dense": load_cpu_decode_attention(64, 3, 16, dtype),
+        "int8": load_cpu_decode_attention(64, 3, 16, dtype, kv_int8=True),
+    }
+    print(
+        f"\n# the CPU kernel on a {str(dtype).removeprefix('torch.')} cache and on int8, {layers} layers' caches, ms per step, best of {rounds}"
+    )
+    print(
+        f"  {'seqs':>5} {'context':>8} {'dense ms':>9} {'int8 ms':>9} {'speedup':>8} {'dense GB/s':>11} {'int8 GB/s':>10}"
+    )
+    rows = []
+    for num_seqs, context in [(1, 320), (1, 4096), (16, 1024), (64, 320)]:
+        dense = [make_case(num_seqs, context, dtype, torch.device("cpu")) for _ in range(layers)]
+        cases = {
+            "dense": dense,
+            "int8": [dict(c, k_cache=as_int8(c["k_cache"]), v_cache=as_int8(c["v_cache"])) for c in dense],  # type: ignore[dict-item]
+        }
+        best = dict.fromkeys(kernels, float("inf"))
+        for _ in range(rounds):
+            for name, kernel in kernels.items():
+                best[name] = min(
+                    best[name], time_ms(layers_step(kernel, cases[name]), torch.device("cpu"), repeats=10)
+                )
+        elements = 2 * num_seqs * context * 3 * layers  # rows of K and V read
+        dense_gbs = elements * 64 * dtype.itemsize / best["dense"] / 1e6
+        int8_gbs = elements * (64 + 4) / best["int8"] / 1e6
+        rows.append({"seqs": num_seqs, "context": context, "ms": best})
+        print(
+            f"  {num_seqs:>5} {context:>8} {best['dense']:>9.2f} {best['int8']:>9.2f} "
+            f"{best['dense'] / best['int8']:>7.2f}x {dense_gbs:>11.1f} {int8_gbs:>10.1f}",
             flush=True,
         )
     return rows

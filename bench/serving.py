@@ -788,13 +788,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summaries: list[RunSummary] = []
     infos: dict[str, Any] = {}
-    duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (dtype, workload) -> outputs
+    duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (config label, workload) -> outputs
 
     def keep(label: str, info: dict[str, Any], served_outputs: dict[str, list[list[int]]]) -> None:
-        """A server's ModelInfo, and its outputs where none of its dtype are kept yet."""
+        """A server's ModelInfo, and its outputs (its first round's) for the comparison with transformers."""
         infos[label] = info
         for name, ids in served_outputs.items():
-            duo_outputs.setdefault((info["dtype"], name), ids)
+            duo_outputs.setdefault((label, name), ids)
 
     print_header()
     for config in [] if args.transformers_only or args.rounds > 1 else configs:
@@ -856,14 +856,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 summaries.append(summary)
                 print_rows([summary])
-                if (dtype, name) in duo_outputs:
-                    ours = duo_outputs[(dtype, name)]
+                # Every config served in this dtype, each against transformers (labelled by the dtype
+                # alone where one config has it).
+                labels = [label for label, info in infos.items() if info["dtype"] == dtype]
+                for label in labels:
+                    if (label, name) not in duo_outputs:
+                        continue
+                    ours = duo_outputs[(label, name)]
                     gaps = divergence_gaps(model, device, workloads.of(name), ours, outputs)
-                    agreement[f"{dtype}/{name}"] = {
-                        **greedy_agreement(ours, outputs),
-                        **summarize_gaps(gaps),
-                        "gaps": gaps,
-                    }
+                    key = f"{dtype}/{name}" if len(labels) == 1 else f"{label}/{name}"
+                    agreement[key] = {**greedy_agreement(ours, outputs), **summarize_gaps(gaps), "gaps": gaps}
         print("\n# duoserve / transformers output tok/s (offline)")
         for row in ratios(summaries):
             value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
