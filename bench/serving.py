@@ -783,8 +783,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     workloads = prompts_of_seed(args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="duoserve-bench-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    launches = not (args.server or args.transformers_only)
+    # Made only where servers are launched: a run against --server leaves no empty folder behind.
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="duoserve-bench-") if launches else ".")
+    if launches:
+        log_dir.mkdir(parents=True, exist_ok=True)
 
     summaries: list[RunSummary] = []
     infos: dict[str, Any] = {}
