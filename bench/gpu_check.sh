@@ -84,7 +84,7 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="")
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 4)
 run tests-kernels 240 "${PYTEST[@]}" "${PARALLEL[@]}" tests/kernels tests/test_cpu_decode_kernel.py
-run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py -k "cuda or triton or graph"
+run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py tests/test_kv_int8.py -k "cuda or triton or graph"
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
 run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
 run bench-ceiling 120 "$PY" bench/serving_ceiling.py --serving-args "--workloads random single --json $OUT/ceiling.json"

@@ -30,7 +30,8 @@ def dense(cache: CacheTensor, backend: str) -> torch.Tensor:
     """The cache as a dense tensor; an int8 one is for the cpu backend alone."""
     if isinstance(cache, Int8Cache):
         raise TypeError(
-            f"the {backend} attention backend reads a dense KV cache; --kv-cache-dtype int8 needs --attention-backend cpu"
+            f"the {backend} attention backend reads a dense KV cache; "
+            "--kv-cache-dtype int8 needs --attention-backend cpu or triton"
         )
     return cache
 
@@ -53,8 +54,8 @@ class FusedOps(Protocol):
         self,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: CacheTensor,
+        v_cache: CacheTensor,
         slot_mapping: torch.Tensor,
     ) -> None: ...
 
@@ -152,7 +153,7 @@ class TorchPagedAttention:
         if self.fused_ops is None:
             write_kv(dense(k_cache, self.name), dense(v_cache, self.name), k, v, slots)
         else:
-            self.fused_ops.write_kv(k, v, dense(k_cache, self.name), dense(v_cache, self.name), slots)
+            self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor, meta: DecodeAttention
@@ -399,7 +400,7 @@ class TritonPagedAttention:
         kv_cache: tuple[CacheTensor, CacheTensor],
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, H * D]
-        k_cache, v_cache = dense(kv_cache[0], self.name), dense(kv_cache[1], self.name)
+        k_cache, v_cache = kv_cache  # dense, or int8 (the kernels read both)
         self._write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)

@@ -1,6 +1,7 @@
 """Small fused Triton kernels of the decoder layer, each beside the torch code it must match.
 
-- `write_kv`: store a step's K/V into the paged caches at their slots (slot < 0: skipped).
+- `write_kv`: store a step's K/V into the paged caches at their slots (slot < 0: skipped); into
+  an int8 cache (kernels/kv_int8.py) quantized, bit for bit as its torch definition.
 - `fused_add_rms_norm`: residual += x, then RMSNorm(residual) * weight, in one pass.
 - `silu_and_mul`: SiLU(gate) * up from the fused [T, 2F] gate/up projection.
 - `rotary_embedding`: rotate q and k in place (half-split pairs, HF layout), angles from
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import next_power_of_2, require, require_tensor, require_token_rows
+from kernels.kv_int8 import Int8Cache
 
 # ------------------------------------------------------------------------------------ KV write
 
@@ -45,13 +47,65 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + slot * ROW + cols, v, mask=ok)
 
 
+@triton.jit
+def _quantize_row(src_ptr, dst_ptr, scale_ptr, dims, ok, scale_at):
+    """One row as int8 and its scale: max|x| / 127, each value rounded to nearest, ties to even (torch.round)."""
+    x = tl.load(src_ptr + dims, mask=ok, other=0.0).to(tl.float32)
+    top = tl.max(tl.abs(x), axis=0)
+    inverse = tl.where(top > 0.0, tl.math.div_rn(127.0, top), 0.0)  # a true division, as torch's
+    scaled = x * inverse
+    low = tl.floor(scaled)
+    rest = scaled - low
+    odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
+    rounded = tl.where((rest > 0.5) | ((rest == 0.5) & odd), low + 1.0, low)
+    rounded = tl.minimum(tl.maximum(rounded, -127.0), 127.0)
+    tl.store(dst_ptr + dims, rounded.to(tl.int8), mask=ok)
+    tl.store(scale_ptr + scale_at, top * (1.0 / 127.0))
+
+
+@triton.jit
+def _write_kv_int8_kernel(
+    k_ptr,  # [T, Hkv, D], rows `k_stride` apart
+    v_ptr,
+    k_cache_ptr,  # [num_slots, Hkv, D] int8
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, Hkv, block_size] float32
+    v_scale_ptr,
+    slot_mapping_ptr,  # [T] int64
+    k_stride,
+    v_stride,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    ok = dims < HEAD_DIM
+    row = (slot * NUM_KV_HEADS + head) * HEAD_DIM
+    scale_at = ((slot // BLOCK_SIZE) * NUM_KV_HEADS + head) * BLOCK_SIZE + slot % BLOCK_SIZE
+    _quantize_row(
+        k_ptr + token * k_stride + head * HEAD_DIM, k_cache_ptr + row, k_scale_ptr, dims, ok, scale_at
+    )
+    _quantize_row(
+        v_ptr + token * v_stride + head * HEAD_DIM, v_cache_ptr + row, v_scale_ptr, dims, ok, scale_at
+    )
+
+
 def write_kv(
     k: torch.Tensor,  # [T, Hkv, D]; each token's Hkv * D values contiguous (a view into qkv is fine)
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | Int8Cache,
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
+    if isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
+        _write_kv_int8(k, v, k_cache, v_cache, slot_mapping)
+        return
     for name, tensor in (("k", k), ("v", v)):
         require_token_rows(tensor, name)
     require_tensor(k_cache, "k_cache", dims=4)
@@ -73,6 +127,50 @@ def write_kv(
     row = num_kv_heads * head_dim
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=row, ROW_PAD=next_power_of_2(row)
+    )
+
+
+def _write_kv_int8(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
+    slot_mapping: torch.Tensor,
+) -> None:
+    for name, tensor in (("k", k), ("v", v)):
+        require_token_rows(tensor, name)
+    if not (isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)):
+        raise ValueError("k_cache: the K and V caches must both be int8 (Int8Cache) or both dense")
+    require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+    num_tokens, num_kv_heads, head_dim = k.shape
+    require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
+    for cache in (k_cache, v_cache):
+        cache.check()
+        require(
+            cache.shape[2:] == (num_kv_heads, head_dim),
+            "k_cache",
+            cache.values,
+            f"[.., .., {num_kv_heads}, {head_dim}]",
+        )
+        require(cache.values.device == k.device, "k_cache", cache.values, f"on {k.device} like k")
+    require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
+    require(slot_mapping.shape[0] == num_tokens, "slot_mapping", slot_mapping, f"{num_tokens} entries")
+    if num_tokens == 0:
+        return
+    _write_kv_int8_kernel[(num_tokens, num_kv_heads)](
+        k,
+        v,
+        k_cache.values,
+        v_cache.values,
+        k_cache.scales,
+        v_cache.scales,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
     )
 
 

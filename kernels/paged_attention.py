@@ -3,7 +3,10 @@
 Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; slot s
 is block s // block_size, offset s % block_size. Query head h reads KV head h // G, G =
 num_heads // num_kv_heads. A step writes its own K/V into the cache first (kernels.fused_ops.write_kv),
-so both kernels read every key, cached prefix and new tokens alike, from the cache.
+so both kernels read every key, cached prefix and new tokens alike, from the cache. An int8
+cache (`--kv-cache-dtype int8`, kernels/kv_int8.py) is read as its rows times their scales
+([num_blocks, num_kv_heads, block_size] float32), in float32, then as the query's dtype where
+the dot products take it.
 
 Every number that changes from step to step (table width, tokens per split, split count) is a
 runtime argument that Triton does not specialize on, and so are the metadata arrays (block
@@ -26,6 +29,28 @@ import triton.language as tl
 from kernels._launch import dot_in_fp32, dot_precision, next_power_of_2, require, require_tensor
 from kernels.cpu_decode import gather_context
 from kernels.cpu_decode import paged_decode_attention_reference as cpu_decode_reference
+from kernels.kv_int8 import Int8Cache
+
+
+def cache_parts(
+    q: torch.Tensor, k_cache: torch.Tensor | Int8Cache, v_cache: torch.Tensor | Int8Cache
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(K rows, V rows, K scales, V scales, int8?) after checking the caches' kinds and dtypes; a
+    dense cache's scale pointers are its rows (the kernels do not read them)."""
+    if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
+        for cache in (k_cache, v_cache):
+            cache.check()
+            require(cache.values.device == q.device, "k_cache", cache.values, f"on {q.device} like q")
+        require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
+        return k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, True
+    if isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
+        raise ValueError("k_cache: the K and V caches must both be int8 (Int8Cache) or both dense")
+    require_tensor(k_cache, "k_cache", dims=4)
+    require_tensor(v_cache, "v_cache", dims=4)
+    require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
+    require(k_cache.dtype == q.dtype == v_cache.dtype, "k_cache", k_cache, f"dtype {q.dtype} like q")
+    return k_cache, v_cache, k_cache, v_cache, False
+
 
 # ------------------------------------------------------------------------------------ decode
 
@@ -37,6 +62,8 @@ def _decode_split_kernel(
     q_ptr,  # [N, H, D]
     k_cache_ptr,  # [num_blocks, BS, Hkv, D]
     v_cache_ptr,
+    k_scale_ptr,  # KV_INT8: [num_blocks, Hkv, BS] float32
+    v_scale_ptr,
     block_tables_ptr,  # [N, max_blocks] int32
     context_lens_ptr,  # [N] int32
     part_max_ptr,  # [N, H, S] float32
@@ -56,6 +83,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr,  # the group's query heads times the keys on the tensor cores
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,8 +116,15 @@ def _decode_split_kernel(
         slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
         offsets = (slots * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)  # [TILE, D]
-        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0)  # [TILE, D]
+        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0)
+        if KV_INT8:
+            at = (blocks.to(tl.int64) * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + positions % BLOCK_SIZE
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=valid, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=valid, other=0.0)[:, None]
+            if USE_DOT and not DOT_FP32:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
         if DOT_FP32 or not USE_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -170,8 +205,8 @@ def decode_splits(
 
 def paged_decode_attention(
     q: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor | Int8Cache,
     block_tables: torch.Tensor,  # [N, max_blocks] int32
     context_lens: torch.Tensor,  # [N] int32, each >= 1
     max_context: int,
@@ -179,15 +214,12 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [N, H, D], like q
     """One query token per sequence against its paged context; split-K when there are few sequences."""
     require_tensor(q, "q", dims=3)
-    require_tensor(k_cache, "k_cache", dims=4)
-    require_tensor(v_cache, "v_cache", dims=4)
+    k_rows, v_rows, k_scales, v_scales, kv_int8 = cache_parts(q, k_cache, v_cache)
     require_tensor(block_tables, "block_tables", dims=2, dtypes=(torch.int32,))
     require_tensor(context_lens, "context_lens", dims=1, dtypes=(torch.int32,))
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
-    require(k_cache.dtype == q.dtype == v_cache.dtype, "k_cache", k_cache, f"dtype {q.dtype} like q")
-    require(cache_dim == head_dim, "k_cache", k_cache, f"head_dim {head_dim} like q")
+    _, block_size, num_kv_heads, cache_dim = k_rows.shape
+    require(cache_dim == head_dim, "k_cache", k_rows, f"head_dim {head_dim} like q")
     require(num_heads % num_kv_heads == 0, "q", q, f"a multiple of {num_kv_heads} heads")
     require(block_tables.shape[0] == num_seqs, "block_tables", block_tables, f"{num_seqs} rows")
     require(context_lens.shape[0] == num_seqs, "context_lens", context_lens, f"{num_seqs} entries")
@@ -213,8 +245,10 @@ def paged_decode_attention(
     head_dim_pad = next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        k_rows,
+        v_rows,
+        k_scales,
+        v_scales,
         block_tables,
         context_lens,
         part_max,
@@ -234,6 +268,7 @@ def paged_decode_attention(
         USE_DOT=use_dot,
         DOT_FP32=dot_in_fp32(),
         PRECISION=dot_precision(q.dtype),
+        KV_INT8=kv_int8,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_max,
@@ -261,6 +296,8 @@ def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # KV_INT8: [num_blocks, Hkv, BS] float32
+    v_scale_ptr,
     block_tables_ptr,  # [N, max_blocks] int32
     query_start_ptr,  # [N + 1] int32
     context_lens_ptr,  # [N] int32
@@ -277,6 +314,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
@@ -312,8 +350,15 @@ def _prefill_kernel(
         slots = blocks.to(tl.int64) * BLOCK_SIZE + key_pos % BLOCK_SIZE
         offsets = (slots * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
         mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+        k = tl.load(k_cache_ptr + offsets, mask=mask, other=0)
+        v = tl.load(v_cache_ptr + offsets, mask=mask, other=0)
+        if KV_INT8:
+            at = (blocks.to(tl.int64) * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + key_pos % BLOCK_SIZE
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + at, mask=key_ok, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + at, mask=key_ok, other=0.0)[:, None]
+            if not DOT_FP32:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -338,8 +383,8 @@ def _prefill_kernel(
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, H, D]: every sequence's chunk, back to back
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
     block_tables: torch.Tensor,  # [N, max_blocks] int32
     query_start_loc: torch.Tensor,  # [N + 1] int32
     context_lens: torch.Tensor,  # [N] int32: cached tokens + chunk length
@@ -349,18 +394,15 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Chunks of different lengths in one launch: causal within each chunk, full attention to its cached prefix."""
     require_tensor(q, "q", dims=3)
-    require_tensor(k_cache, "k_cache", dims=4)
-    require_tensor(v_cache, "v_cache", dims=4)
+    k_rows, v_rows, k_scales, v_scales, kv_int8 = cache_parts(q, k_cache, v_cache)
     require_tensor(block_tables, "block_tables", dims=2, dtypes=(torch.int32,))
     require_tensor(query_start_loc, "query_start_loc", dims=1, dtypes=(torch.int32,))
     require_tensor(context_lens, "context_lens", dims=1, dtypes=(torch.int32,))
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    _, block_size, num_kv_heads, cache_dim = k_rows.shape
     num_seqs = context_lens.shape[0]
-    require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
-    require(k_cache.dtype == q.dtype == v_cache.dtype, "k_cache", k_cache, f"dtype {q.dtype} like q")
     require(
-        cache_dim == head_dim and head_dim >= 16, "k_cache", k_cache, f"head_dim {head_dim} (>= 16) like q"
+        cache_dim == head_dim and head_dim >= 16, "k_cache", k_rows, f"head_dim {head_dim} (>= 16) like q"
     )
     require(num_heads % num_kv_heads == 0, "q", q, f"a multiple of {num_kv_heads} heads")
     require(
@@ -376,8 +418,10 @@ def paged_prefill_attention(
     grid = (num_seqs, -(-max_query_len // block_m), num_heads)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        k_rows,
+        v_rows,
+        k_scales,
+        v_scales,
         block_tables,
         query_start_loc,
         context_lens,
@@ -394,14 +438,15 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_FP32=dot_in_fp32(),
         PRECISION=dot_precision(q.dtype),
+        KV_INT8=kv_int8,
     )
     return out
 
 
 def paged_prefill_attention_reference(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,

@@ -210,7 +210,8 @@ def test_cpu_backend_on_an_int8_cache_matches_attention_on_the_dense_cache(
 
 
 def test_the_worker_refuses_an_int8_cache_where_no_kernel_reads_it() -> None:
-    """On a CUDA device, or in a dtype the CPU kernels lack, the worker stops saying why, naming the flag."""
+    """The torch backend, the cpu backend on a CUDA device, or a dtype the CPU kernels lack: the
+    worker stops saying why, naming the flag."""
     from gpu_worker.model_config import ModelConfig
     from gpu_worker.startup import make_attention
 
@@ -220,7 +221,9 @@ def test_the_worker_refuses_an_int8_cache_where_no_kernel_reads_it() -> None:
         attention_bias=False, bos_token_id=None, eos_token_ids=(2,),
     )  # fmt: skip
     with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
-        make_attention("auto", config, torch.float32, torch.device("cuda"), 16, kv_int8=True)
+        make_attention("torch", config, torch.float32, torch.device("cpu"), 16, kv_int8=True)
+    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
+        make_attention("cpu", config, torch.float32, torch.device("cuda"), 16, kv_int8=True)
     with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
         make_attention("auto", config, torch.float16, torch.device("cpu"), 16, kv_int8=True)
 
@@ -240,3 +243,56 @@ def test_an_int8_block_holds_close_to_twice_the_tokens_of_a_bfloat16_one() -> No
     cache = allocate_kv_cache(config, 2, 16, torch.bfloat16, "cpu", kv_int8=True)
     layer_bytes = sum(c.values.nbytes + c.scales.nbytes for c in cache[0] if isinstance(c, Int8Cache))
     assert layer_bytes * config.num_layers == 2 * int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_backend_on_an_int8_cache_matches_the_cpu_backend(dtype: torch.dtype) -> None:
+    """The triton backend's int8 write, decode and prefill (on a GPU, or here through Triton's
+    interpreter) against the cpu backend's C kernels on the same mixed batch: the same quantized
+    cache bit for bit, the rows that read it alike to the kernels' rounding."""
+    pytest.importorskip("triton")
+    from gpu_worker.attention import CpuPagedAttention, TritonPagedAttention
+    from gpu_worker.batch import ScheduledChunk, build_forward_batch
+    from kernels.cpu_fused import load_cpu_fused_ops
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 16
+    torch.manual_seed(1)
+    base_k = torch.randn(12, block_size, num_kv_heads, head_dim).to(dtype)
+    base_v = torch.randn_like(base_k)
+    chunks = [
+        ScheduledChunk([1], start_position=20, block_table=[3, 4], needs_logits=True),  # decode
+        ScheduledChunk(
+            [1, 2, 3], start_position=29, block_table=[5, 7, 8], needs_logits=True
+        ),  # behind a prefix
+        ScheduledChunk([5, 6], start_position=0, block_table=[11], needs_logits=True),  # fresh prompt
+    ]
+    q = torch.randn(6, num_heads, head_dim).to(dtype)
+    k = torch.randn(6, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(6, num_kv_heads, head_dim).to(dtype)
+    cpu_caches = (as_int8(base_k), as_int8(base_v))
+    cpu = CpuPagedAttention(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        kernel=load_cpu_decode_attention(
+            head_dim, num_heads // num_kv_heads, block_size, dtype, kv_int8=True
+        ),
+        fused_ops=load_cpu_fused_ops(dtype),
+    )
+    expected = cpu(q, k, v, cpu_caches, build_forward_batch(chunks, block_size, "cpu"))
+    on_device = tuple(
+        Int8Cache(c.values.to(device), c.scales.to(device)) for c in (as_int8(base_k), as_int8(base_v))
+    )
+    triton = TritonPagedAttention(num_heads, num_kv_heads, head_dim)
+    batch = build_forward_batch(chunks, block_size, device)
+    out = triton(q.to(device), k.to(device), v.to(device), on_device, batch)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # The decode and the chunk behind its prefix read the quantized cache in both backends. The
+    # fresh prompt (rows 4-5) reads it in Triton's kernel, while the cpu backend's prompt kernel
+    # takes the step's own unquantized rows: those differ by the quantization.
+    out = out.float().cpu()
+    torch.testing.assert_close(out[:4], expected[:4].float(), atol=tolerance, rtol=tolerance)
+    assert float((out[4:] - expected[4:].float()).abs().max()) < 0.05
+    for mine, theirs in zip(on_device, cpu_caches, strict=True):
+        assert torch.equal(mine.values.cpu(), theirs.values) and torch.equal(mine.scales.cpu(), theirs.scales)

@@ -27,6 +27,7 @@ from kernels.fused_ops import (
     write_kv,
     write_kv_reference,
 )
+from kernels.kv_int8 import Int8Cache, quantize_rows, write_kv_int8
 from kernels.paged_attention import (
     _decode_reduce_kernel,
     _decode_split_kernel,
@@ -59,6 +60,18 @@ def random_cache(
         tables[row, :count] = torch.tensor(order[:count], dtype=torch.int32)
         order = order[count:]
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
+
+
+def as_int8(cache: torch.Tensor) -> Int8Cache:
+    """A dense cache quantized row by row into the int8 layout (kernels/kv_int8.py), on its device."""
+    values, scales = quantize_rows(cache.cpu())
+    return Int8Cache(
+        values.contiguous().to(cache.device), scales.transpose(1, 2).contiguous().to(cache.device)
+    )
+
+
+def on_cpu(cache: Int8Cache) -> Int8Cache:
+    return Int8Cache(cache.values.cpu(), cache.scales.cpu())
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -107,6 +120,29 @@ def test_decode_attention_splits_one_long_context_and_keeps_large_scores_stable(
         torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "num_splits"), [(16, 3, 3, 1), (8, 2, 1, 3)])
+def test_decode_attention_reads_an_int8_cache(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, num_splits: int
+) -> None:
+    """`--kv-cache-dtype int8` on CUDA: the rows times their scales, against the same definition
+    as the CPU kernel's (the reference dequantizes to float32)."""
+    b = block_size
+    lengths = [1, b - 1, b + 1, 4 * b + 3]
+    dense_k, dense_v, tables = random_cache(lengths, b, num_kv_heads, 64, dtype, seed=b + group)
+    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    q = torch.randn(len(lengths), num_kv_heads * group, 64, generator=torch.Generator().manual_seed(4))
+    q = q.to(dtype).to(DEVICE)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, max(lengths), num_splits=num_splits)
+    expected = paged_decode_attention_reference(
+        q.cpu(), on_cpu(k_cache), on_cpu(v_cache), tables.cpu(), lens.cpu()
+    )
+    assert_close(out, expected, dtype)
+    with pytest.raises(ValueError, match="k_cache: the K and V caches must both be int8"):
+        paged_decode_attention(q, k_cache, dense_v, tables, lens, max(lengths))
+
+
 def test_decode_attention_launcher_checks_its_arguments() -> None:
     k_cache, v_cache, tables = random_cache([5], 16, 2, 64, torch.float32, seed=0)
     q = torch.randn(1, 4, 64, device=DEVICE)
@@ -148,6 +184,27 @@ def test_prefill_attention_matches_reference_over_mixed_chunks(
     out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
     expected = paged_prefill_attention_reference(
         q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), query_start.cpu(), lens.cpu()
+    )
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_reads_an_int8_cache(dtype: torch.dtype) -> None:
+    b, num_kv_heads, group, head_dim = 16, 2, 3, 32
+    chunks = [(0, b + 1), (7, 2 * b - 1), (2 * b, 5)]
+    contexts = [cached + length for cached, length in chunks]
+    dense_k, dense_v, tables = random_cache(contexts, b, num_kv_heads, head_dim, dtype, seed=11)
+    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    starts = [0]
+    for _, length in chunks:
+        starts.append(starts[-1] + length)
+    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(5))
+    q = q.to(dtype).to(DEVICE)
+    query_start = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
+    expected = paged_prefill_attention_reference(
+        q.cpu(), on_cpu(k_cache), on_cpu(v_cache), tables.cpu(), query_start.cpu(), lens.cpu()
     )
     assert_close(out, expected, dtype)
 
@@ -257,6 +314,37 @@ def test_write_kv_stores_each_token_at_its_slot_and_skips_padding(dtype: torch.d
     write_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4, 5, 6]].abs().sum() == 0  # untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_into_an_int8_cache_equals_its_definition_bit_for_bit(dtype: torch.dtype) -> None:
+    """Each row quantized (ties to even, an all-zero row, a huge value), slot -1 skipped."""
+    num_kv_heads, head_dim, block_size = 3, 16, 8
+    qkv = (torch.randn(7, (4 + 2 * num_kv_heads) * head_dim) * 3).to(dtype)
+    qkv[0, 4 * head_dim : 5 * head_dim] = 0.0  # token 0's first K row: zeros, scale 0
+    qkv[1, 4 * head_dim : 4 * head_dim + 2] = torch.tensor([2.0, 1.0])  # 1 * 127 / 2 = 63.5: a tie
+    qkv[1, 4 * head_dim + 2 : 5 * head_dim] = 0.5
+    qkv[2, 5 * head_dim] = 6e4  # the rest of its row rounds to 0
+    qkv = qkv.to(DEVICE)
+    k = qkv[:, 4 * head_dim : (4 + num_kv_heads) * head_dim].view(7, num_kv_heads, head_dim)
+    v = qkv[:, (4 + num_kv_heads) * head_dim :].view(7, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 7, 8, -1, 23, 9, 16], device=DEVICE)
+    ours = [Int8Cache.zeros(3, block_size, num_kv_heads, head_dim, DEVICE) for _ in range(2)]
+    theirs = [Int8Cache.zeros(3, block_size, num_kv_heads, head_dim, "cpu") for _ in range(2)]
+    write_kv(k, v, ours[0], ours[1], slots)
+    write_kv_int8(theirs[0], theirs[1], k.cpu(), v.cpu(), slots.cpu())
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert torch.equal(mine.values.cpu(), reference.values)
+        assert torch.equal(mine.scales.cpu(), reference.scales)
+    assert int(ours[0].values[0, 7, 0, 0]) == 127 and int(ours[0].values[0, 7, 0, 1]) == 64  # 63.5 to even
+    with pytest.raises(ValueError, match="k_cache: the K and V caches must both be int8"):
+        write_kv(
+            k,
+            v,
+            ours[0],
+            torch.zeros(3, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE),
+            slots,
+        )
 
 
 # ------------------------------------------------------------------------------------ fused elementwise
