@@ -152,7 +152,7 @@ WORKER_FLAGS = (
         str,
         "auto",
         "what the KV cache stores: auto = the serving dtype; int8 = int8 rows with a scale each "
-        "(CPU attention backend: half a bfloat16 cache's bytes per token, so decode steps read half as "
+        "(cpu and triton attention backends: half a bfloat16 cache's bytes per token, so decode steps read half as "
         "much and the same memory holds twice the tokens; attention sees each value within half a "
         "quantization step, 1/254 of its row's largest)",
         ("auto", "int8"),
