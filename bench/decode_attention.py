@@ -2,7 +2,7 @@
 
     python bench/decode_attention.py                 # CUDA: the Triton kernel; CPU: the C kernel
     python bench/decode_attention.py --json out.json
-    python bench/decode_attention.py --int8          # CPU: also the int8 KV cache against the dense one
+    python bench/decode_attention.py --int8          # also the int8 KV cache against the dense one
 
 For each (sequences, context) case it times, on the same cache and block tables:
 - the kernel reading the paged cache in place (Triton on CUDA, kernels/cpu on the CPU);
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--int8",
         action="store_true",
-        help="CPU: also the kernel on an int8 cache (--kv-cache-dtype int8) against the dense one",
+        help="also the kernel on an int8 cache (--kv-cache-dtype int8) against the dense one",
     )
     parser.add_argument(
         "--model-steps",
@@ -213,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     result: dict[str, object] = {"device": str(device), "dtype": args.dtype, "peak_gbs": peak, "rows": rows}
+    if device.type == "cuda" and args.int8:
+        result["int8_cache"] = cuda_int8_cache(dtype, device, rows, peak)
     if device.type == "cpu":
         result["vector_paths"] = cpu_vector_paths(dtype, args.layers, args.rounds)
         if args.int8:
@@ -278,16 +280,55 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
     return rows
 
 
+def as_int8(cache: torch.Tensor) -> object:
+    """A dense cache quantized row by row into the int8 layout (kernels/kv_int8.py), on its device."""
+    from kernels.kv_int8 import Int8Cache, quantize_rows
+
+    values, scales = quantize_rows(cache)
+    return Int8Cache(values.contiguous(), scales.transpose(1, 2).contiguous())
+
+
+def cuda_int8_cache(
+    dtype: torch.dtype, device: torch.device, dense_rows: list[dict[str, float]], peak: float
+) -> list[dict[str, object]]:
+    """The Triton kernel on each case's cache quantized to int8, as replays of a captured graph,
+    beside the dense cache's graph time from the table above."""
+    from kernels.paged_attention import paged_decode_attention
+
+    print("\n# the Triton kernel on an int8 cache (--kv-cache-dtype int8), graph replays")
+    print(
+        f"  {'seqs':>5} {'context':>8} {'dense ms':>9} {'int8 ms':>9} {'speedup':>8} {'GB/s':>8} {'of peak':>8}"
+    )
+    rows = []
+    for (num_seqs, context), dense in zip(CASES, dense_rows, strict=True):
+        case = make_case(num_seqs, context, dtype, device)
+        k_cache, v_cache = as_int8(case["k_cache"]), as_int8(case["v_cache"])
+
+        def run(
+            case: dict[str, torch.Tensor] = case,
+            k: object = k_cache,
+            v: object = v_cache,
+            context: int = context,
+        ) -> torch.Tensor:
+            return paged_decode_attention(case["q"], k, v, case["tables"], case["lens"], context)  # type: ignore[arg-type]
+
+        int8_ms = graph_ms(run)[0]
+        gbs = 2 * num_seqs * context * 3 * (64 + 4) / (int8_ms / 1e3) / 1e9
+        row = {"seqs": num_seqs, "context": context, "dense_ms": dense["kernel_graph_ms"], "int8_ms": int8_ms}
+        rows.append(row)
+        print(
+            f"  {num_seqs:>5} {context:>8} {dense['kernel_graph_ms']:>9.3f} {int8_ms:>9.3f} "
+            f"{dense['kernel_graph_ms'] / int8_ms:>7.2f}x {gbs:>8.0f} {gbs / peak:>7.1%}",
+            flush=True,
+        )
+    return rows
+
+
 def cpu_int8_cache(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[str, object]]:
     """The CPU kernel's widest path on the dense cache and on the same cache quantized to int8
     (kernels/kv_int8.py), `layers` layers' caches a step as in the paths table; best of `rounds`
     interleaved rounds of 10 steps. Bytes: what each must read (an int8 row and its scale)."""
     from kernels.cpu_decode import load_cpu_decode_attention
-    from kernels.kv_int8 import Int8Cache, quantize_rows
-
-    def as_int8(cache: torch.Tensor) -> Int8Cache:
-        values, scales = quantize_rows(cache)
-        return Int8Cache(values.contiguous(), scales.transpose(1, 2).contiguous())
 
     kernels = {
         "dense": load_cpu_decode_attention(64, 3, 16, dtype),

@@ -86,7 +86,7 @@ PARALLEL=()
 run tests-kernels 240 "${PYTEST[@]}" "${PARALLEL[@]}" tests/kernels tests/test_cpu_decode_kernel.py
 run tests-gpu 240 "${PYTEST[@]}" tests/test_cuda_pipeline.py tests/test_model_parity.py tests/test_sampler.py tests/test_kv_int8.py -k "cuda or triton or graph"
 run tests-e2e 300 "${PYTEST[@]}" tests/e2e/test_scheduling.py -k "dbo or prefix"
-run bench-decode 120 "$PY" bench/decode_attention.py --json "$OUT/decode_attention.json"
+run bench-decode 150 "$PY" bench/decode_attention.py --int8 --json "$OUT/decode_attention.json"
 run bench-ceiling 120 "$PY" bench/serving_ceiling.py --serving-args "--workloads random single --json $OUT/ceiling.json"
 run bench-serving 420 "$PY" bench/serving.py --transformers --workloads random single \
     --configs "dtype=bfloat16" "dtype=bfloat16,no-sbo" "dtype=bfloat16,max-inflight=1" \
@@ -112,6 +112,9 @@ if decode.exists():
             f"{row['baseline_graph_ms']:.3f} ms gather+SDPA ({row['graph_speedup']:.2f}x), {row['gbs']:.0f} GB/s = "
             f"{row['fraction_of_peak']:.0%} of peak; launched {row['kernel_ms']:.3f} vs {row['baseline_ms']:.3f} ms |"
         )
+    for row in data.get("int8_cache", []):
+        print(f"| decode {row['seqs']}x{row['context']}, int8 cache | graph-replayed {row['int8_ms']:.3f} ms vs "
+              f"{row['dense_ms']:.3f} ms on the dense cache ({row['dense_ms'] / row['int8_ms']:.2f}x) |")
 ceiling = out / "ceiling.json"
 if ceiling.exists():
     for run in json.loads(ceiling.read_text()).get("runs", []):
