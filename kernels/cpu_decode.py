@@ -21,7 +21,7 @@ import torch
 
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, build, load
-from kernels.kv_int8 import Int8Cache, dequantize
+from kernels.kv_int8 import Int8Cache, dequantize, int8_pair
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,7 @@ class CpuDecodeAttention:
         num_seqs, num_heads, head_dim = q.shape
         scales: tuple[int, int] = (0, 0)
         if shape.kv_int8:
-            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-                if not isinstance(cache, Int8Cache):
-                    raise ValueError(
-                        f"{name}: this kernel reads an int8 cache (Int8Cache), got {type(cache).__name__}"
-                    )
-                cache.check()
-            assert isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)
+            k_cache, v_cache = int8_pair(k_cache, v_cache)
             scales = (k_cache.scales.data_ptr(), v_cache.scales.data_ptr())
             k_cache, v_cache = k_cache.values, v_cache.values
         elif isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):

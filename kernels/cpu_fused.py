@@ -18,7 +18,7 @@ import torch
 
 from kernels._launch import require, require_tensor, require_token_rows
 from kernels.cpu_build import KernelBuildError, build, load
-from kernels.kv_int8 import Int8Cache
+from kernels.kv_int8 import Int8Cache, check_write
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -252,26 +252,8 @@ class CpuFusedOps:
     ) -> None:
         _require_rows(k, "k", self.dtype)
         _require_rows(v, "v", self.dtype)
-        require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(cache, Int8Cache):
-                raise ValueError(f"{name}: the K and V caches must both be int8 (Int8Cache) or both dense")
-            cache.check()
-            require(
-                cache.shape[2:] == k.shape[1:],
-                name,
-                cache.values,
-                f"[.., .., {k.shape[1]}, {k.shape[2]}] int8",
-            )
-        assert isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)
-        require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
-        _require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
-        require(slot_mapping.shape[0] == k.shape[0], "slot_mapping", slot_mapping, f"{k.shape[0]} entries")
-        num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-        if k.shape[0] and int(slot_mapping.max()) >= num_blocks * block_size:
-            raise ValueError(
-                f"slot_mapping: slots must be < {num_blocks * block_size}, got {int(slot_mapping.max())}"
-            )
+        k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping)
+        block_size = k_cache.shape[1]
         self._lib.duoserve_write_kv_int8(
             k.data_ptr(),
             k.stride(0),

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels._launch import next_power_of_2, require, require_tensor, require_token_rows
-from kernels.kv_int8 import Int8Cache
+from kernels.kv_int8 import Int8Cache, check_write
 
 # ------------------------------------------------------------------------------------ KV write
 
@@ -139,22 +139,8 @@ def _write_kv_int8(
 ) -> None:
     for name, tensor in (("k", k), ("v", v)):
         require_token_rows(tensor, name)
-    if not (isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)):
-        raise ValueError("k_cache: the K and V caches must both be int8 (Int8Cache) or both dense")
-    require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+    k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
-    for cache in (k_cache, v_cache):
-        cache.check()
-        require(
-            cache.shape[2:] == (num_kv_heads, head_dim),
-            "k_cache",
-            cache.values,
-            f"[.., .., {num_kv_heads}, {head_dim}]",
-        )
-        require(cache.values.device == k.device, "k_cache", cache.values, f"on {k.device} like k")
-    require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
-    require(slot_mapping.shape[0] == num_tokens, "slot_mapping", slot_mapping, f"{num_tokens} entries")
     if num_tokens == 0:
         return
     _write_kv_int8_kernel[(num_tokens, num_kv_heads)](

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._launch import require, require_tensor
+
 QMAX = 127.0
 
 
@@ -58,6 +60,46 @@ class Int8Cache:
                 f"int8 cache scales: need contiguous float32 {(blocks, heads, block_size)}, got "
                 f"{scales.dtype} {tuple(scales.shape)}"
             )
+
+
+def int8_pair(
+    k_cache: torch.Tensor | Int8Cache, v_cache: torch.Tensor | Int8Cache
+) -> tuple[Int8Cache, Int8Cache]:
+    """Both caches as int8, each checked and of one shape; ValueError naming k_cache where they
+    differ in kind, or either is dense."""
+    if not (isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache)):
+        raise ValueError("k_cache: the K and V caches must both be int8 (Int8Cache) or both dense")
+    k_cache.check()
+    v_cache.check()
+    require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
+    require(v_cache.values.device == k_cache.values.device, "v_cache", v_cache.values, "on k_cache's device")
+    return k_cache, v_cache
+
+
+def check_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | Int8Cache,
+    v_cache: torch.Tensor | Int8Cache,
+    slot_mapping: torch.Tensor,
+) -> tuple[Int8Cache, Int8Cache]:
+    """What a write into the int8 cache needs of its arguments (k, v [T, Hkv, D]; slots < 0 are
+    skipped, the others below the pool's); the caller checks the rows' dtype and layout."""
+    k_cache, v_cache = int8_pair(k_cache, v_cache)
+    require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
+    require(
+        k.dim() == 3 and k_cache.shape[2:] == k.shape[1:],
+        "k_cache",
+        k_cache.values,
+        "[.., .., Hkv, D] like k",
+    )
+    require(k_cache.values.device == k.device, "k_cache", k_cache.values, f"on {k.device} like k")
+    require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+    require(slot_mapping.shape[0] == k.shape[0], "slot_mapping", slot_mapping, f"{k.shape[0]} entries")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if k.shape[0] and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(f"slot_mapping: slots must be < {num_slots}, got {int(slot_mapping.max())}")
+    return k_cache, v_cache
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels._launch import dot_in_fp32, dot_precision, next_power_of_2, require, require_tensor
 from kernels.cpu_decode import gather_context
 from kernels.cpu_decode import paged_decode_attention_reference as cpu_decode_reference
-from kernels.kv_int8 import Int8Cache
+from kernels.kv_int8 import Int8Cache, int8_pair
 
 
 def cache_parts(
@@ -37,14 +37,10 @@ def cache_parts(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """(K rows, V rows, K scales, V scales, int8?) after checking the caches' kinds and dtypes; a
     dense cache's scale pointers are its rows (the kernels do not read them)."""
-    if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
-        for cache in (k_cache, v_cache):
-            cache.check()
-            require(cache.values.device == q.device, "k_cache", cache.values, f"on {q.device} like q")
-        require(v_cache.shape == k_cache.shape, "v_cache", v_cache.values, f"shape {tuple(k_cache.shape)}")
-        return k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, True
     if isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
-        raise ValueError("k_cache: the K and V caches must both be int8 (Int8Cache) or both dense")
+        k_cache, v_cache = int8_pair(k_cache, v_cache)
+        require(k_cache.values.device == q.device, "k_cache", k_cache.values, f"on {q.device} like q")
+        return k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, True
     require_tensor(k_cache, "k_cache", dims=4)
     require_tensor(v_cache, "v_cache", dims=4)
     require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")

@@ -132,7 +132,7 @@ def test_c_write_equals_the_reference_bit_for_bit(dtype: torch.dtype, head_dim: 
     for mine, theirs in zip(ours, reference, strict=True):
         assert torch.equal(mine.values, theirs.values)
         assert torch.equal(mine.scales, theirs.scales)
-    with pytest.raises(ValueError, match="v_cache"):
+    with pytest.raises(ValueError, match="k_cache: the K and V caches must both be int8"):
         load_cpu_fused_ops(dtype).write_kv(k, v, ours[0], torch.zeros(16, 16, 3, d, dtype=dtype), slots)
 
 

@@ -162,6 +162,23 @@ def test_decode_attention_launcher_checks_its_arguments() -> None:
 # ------------------------------------------------------------------------------------ prefill
 
 
+def prefill_queries(
+    chunks: list[tuple[int, int]], num_heads: int, head_dim: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For chunks of (tokens cached, chunk length): their queries back to back, where each starts,
+    and each sequence's context length."""
+    starts = [0]
+    for _, length in chunks:
+        starts.append(starts[-1] + length)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(seed))
+    contexts = [cached + length for cached, length in chunks]
+    return (
+        q.to(dtype).to(DEVICE),
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("block_size", "num_kv_heads", "group"), [(16, 3, 3), (8, 1, 8), (32, 2, 1)])
 def test_prefill_attention_matches_reference_over_mixed_chunks(
@@ -174,13 +191,7 @@ def test_prefill_attention_matches_reference_over_mixed_chunks(
     contexts = [cached + length for cached, length in chunks]
     head_dim = 32
     k_cache, v_cache, tables = random_cache(contexts, b, num_kv_heads, head_dim, dtype, seed=b * group)
-    starts = [0]
-    for _, length in chunks:
-        starts.append(starts[-1] + length)
-    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(3))
-    q = q.to(dtype).to(DEVICE)
-    query_start = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    q, query_start, lens = prefill_queries(chunks, num_kv_heads * group, head_dim, dtype, seed=3)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
     expected = paged_prefill_attention_reference(
         q.cpu(), k_cache.cpu(), v_cache.cpu(), tables.cpu(), query_start.cpu(), lens.cpu()
@@ -195,13 +206,7 @@ def test_prefill_attention_reads_an_int8_cache(dtype: torch.dtype) -> None:
     contexts = [cached + length for cached, length in chunks]
     dense_k, dense_v, tables = random_cache(contexts, b, num_kv_heads, head_dim, dtype, seed=11)
     k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
-    starts = [0]
-    for _, length in chunks:
-        starts.append(starts[-1] + length)
-    q = torch.randn(starts[-1], num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(5))
-    q = q.to(dtype).to(DEVICE)
-    query_start = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    q, query_start, lens = prefill_queries(chunks, num_kv_heads * group, head_dim, dtype, seed=5)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
     expected = paged_prefill_attention_reference(
         q.cpu(), on_cpu(k_cache), on_cpu(v_cache), tables.cpu(), query_start.cpu(), lens.cpu()
