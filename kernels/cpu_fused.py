@@ -252,7 +252,7 @@ class CpuFusedOps:
     ) -> None:
         _require_rows(k, "k", self.dtype)
         _require_rows(v, "v", self.dtype)
-        k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping)
+        k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping, cpu=True)
         block_size = k_cache.shape[1]
         self._lib.duoserve_write_kv_int8(
             k.data_ptr(),

@@ -139,7 +139,7 @@ def _write_kv_int8(
 ) -> None:
     for name, tensor in (("k", k), ("v", v)):
         require_token_rows(tensor, name)
-    k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping)
+    k_cache, v_cache = check_write(k, v, k_cache, v_cache, slot_mapping, cpu=False)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

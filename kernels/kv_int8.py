@@ -82,9 +82,11 @@ def check_write(
     k_cache: torch.Tensor | Int8Cache,
     v_cache: torch.Tensor | Int8Cache,
     slot_mapping: torch.Tensor,
+    cpu: bool,
 ) -> tuple[Int8Cache, Int8Cache]:
     """What a write into the int8 cache needs of its arguments (k, v [T, Hkv, D]; slots < 0 are
-    skipped, the others below the pool's); the caller checks the rows' dtype and layout."""
+    skipped, the others below the pool's), on the CPU for the C write (`cpu`), else on a Triton
+    device; the caller checks the rows' dtype and layout."""
     k_cache, v_cache = int8_pair(k_cache, v_cache)
     require(v.shape == k.shape, "v", v, f"shape {tuple(k.shape)}")
     require(
@@ -94,7 +96,8 @@ def check_write(
         "[.., .., Hkv, D] like k",
     )
     require(k_cache.values.device == k.device, "k_cache", k_cache.values, f"on {k.device} like k")
-    require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,))
+    require_tensor(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int64,), cpu=cpu)
+    require(slot_mapping.device == k.device, "slot_mapping", slot_mapping, f"on {k.device} like k")
     require(slot_mapping.shape[0] == k.shape[0], "slot_mapping", slot_mapping, f"{k.shape[0]} entries")
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if k.shape[0] and int(slot_mapping.max()) >= num_slots:

@@ -65,7 +65,9 @@ def start_server(*flags: str, env: dict[str, str] | None = None, wait: bool = Tr
     log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115
         prefix="duoserve-test-", suffix=".log", dir=LOG_DIR, delete=False
     )
-    environment = {**os.environ, "DUOSERVE_DEBUG_CHECKS": "1", **(env or {})}
+    # TRITON_INTERPRET=1 (tests/conftest.py, on a machine without a GPU) is for the kernel tests: a
+    # server runs as a user's would, without it, unless a test asks for it.
+    environment = {**os.environ, "DUOSERVE_DEBUG_CHECKS": "1", "TRITON_INTERPRET": "0", **(env or {})}
     command = [
         DUOSERVE,
         "serve",
