@@ -23,17 +23,7 @@ from kernels.cpu_decode import CpuDecodeAttention, check_block_tables
 from kernels.cpu_fused import CpuFusedOps
 from kernels.cpu_prefill import Chunk, CpuPrefillAttention, PrefillPlan, plan_chunks
 from kernels.cpu_stack import CpuDecodeStack
-from kernels.kv_int8 import Int8Cache, dequantize_slots, write_kv_int8
-
-
-def dense(cache: CacheTensor, backend: str) -> torch.Tensor:
-    """The cache as a dense tensor; an int8 one is for the cpu backend alone."""
-    if isinstance(cache, Int8Cache):
-        raise TypeError(
-            f"the {backend} attention backend reads a dense KV cache; "
-            "--kv-cache-dtype int8 needs --attention-backend cpu or triton"
-        )
-    return cache
+from kernels.kv_int8 import Int8Cache, dequantize_blocks, dequantize_slots, int8_pair, write_kv_int8
 
 
 class FusedOps(Protocol):
@@ -150,21 +140,26 @@ class TorchPagedAttention:
         v: torch.Tensor,
         slots: torch.Tensor,
     ) -> None:
-        if self.fused_ops is None:
-            write_kv(dense(k_cache, self.name), dense(v_cache, self.name), k, v, slots)
-        else:
+        if self.fused_ops is not None:  # C or Triton: either kind of cache
             self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
+        elif isinstance(k_cache, Int8Cache) or isinstance(v_cache, Int8Cache):
+            write_kv_int8(*int8_pair(k_cache, v_cache), k, v, slots)
+        else:
+            write_kv(k_cache, v_cache, k, v, slots)
 
     def _decode(
         self, q: torch.Tensor, k_cache: CacheTensor, v_cache: CacheTensor, meta: DecodeAttention
     ) -> torch.Tensor:  # [D, H, Dh]
-        k_cache, v_cache = dense(k_cache, self.name), dense(v_cache, self.name)
         num, length = meta.num_seqs, meta.max_context
-        k_buf, v_buf = self._gather_buffers(num * length, k_cache)
-        # Whole blocks at a time: one contiguous copy per block instead of one per token.
+        k_buf, v_buf = self._gather_buffers(num * length, q)
+        # Whole blocks at a time: one contiguous copy per block instead of one per token (an int8
+        # cache's rows times their scales).
         blocks_shape = (meta.key_blocks.shape[0], *k_cache.shape[1:])  # [D * L / bs, bs, Hkv, Dh]
-        torch.index_select(k_cache, 0, meta.key_blocks, out=k_buf.view(blocks_shape))
-        torch.index_select(v_cache, 0, meta.key_blocks, out=v_buf.view(blocks_shape))
+        for cache, buf in ((k_cache, k_buf), (v_cache, v_buf)):
+            if isinstance(cache, Int8Cache):
+                dequantize_blocks(cache, meta.key_blocks, buf.view(blocks_shape))
+            else:
+                torch.index_select(cache, 0, meta.key_blocks, out=buf.view(blocks_shape))
         keys = k_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [D, Hkv, L, Dh]
         values = v_buf.view(num, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # q head h uses kv head h // G, so [D, H, Dh] → [D, Hkv, G, Dh] puts each group on the query axis.
@@ -183,14 +178,15 @@ class TorchPagedAttention:
         v_cache: CacheTensor,
         meta: PrefillAttention,
     ) -> torch.Tensor:  # [Tq, H, Dh]
-        k_cache, v_cache = dense(k_cache, self.name), dense(v_cache, self.name)
         if meta.key_slots is None:  # no cached prefix: this step's K/V are the whole context
             keys, values, mask = k, v, None
         else:
-            k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            keys = k_flat.index_select(0, meta.key_slots)  # [C, Hkv, Dh]
-            values = v_flat.index_select(0, meta.key_slots)
+            keys, values = (
+                dequantize_slots(cache, meta.key_slots, q.dtype)
+                if isinstance(cache, Int8Cache)
+                else cache.view(-1, self.num_kv_heads, self.head_dim).index_select(0, meta.key_slots)
+                for cache in (k_cache, v_cache)
+            )  # [C, Hkv, Dh] each
             mask = meta.mask
         # 4-D inputs: CPU SDPA takes its flash kernel only for [B, H, S, Dh]. With enable_gqa it
         # reads each kv head for its group of query heads: measured here (torch 2.13, 256-token
@@ -267,25 +263,6 @@ class CpuPagedAttention(TorchPagedAttention):
         self.decode_stack = decode_stack if fused_ops is not None else None
         self.small_decode_stack = small_decode_stack if fused_ops is not None else None
         self.prefill_kernel = prefill_kernel
-
-    def _write_kv(
-        self,
-        k_cache: CacheTensor,
-        v_cache: CacheTensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
-            if self.fused_ops is None:
-                write_kv_int8(k_cache, v_cache, k, v, slots)
-            else:
-                self.fused_ops.write_kv(k, v, k_cache, v_cache, slots)
-            return
-        assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor), (
-            "K and V caches differ in kind"
-        )
-        super()._write_kv(k_cache, v_cache, k, v, slots)
 
     def _prefills(
         self,

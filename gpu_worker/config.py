@@ -71,12 +71,6 @@ class WorkerConfig:
             ", ".join(KV_CACHE_DTYPES),
         )
         _check(
-            self.kv_cache_dtype != "int8" or self.attention_backend != "torch",
-            "--kv-cache-dtype",
-            self.kv_cache_dtype,
-            "auto with --attention-backend torch (an int8 cache is read by the cpu and triton backends' kernels)",
-        )
-        _check(
             self.dense_weights in DENSE_WEIGHTS,
             "--dense-weights",
             self.dense_weights,

@@ -165,14 +165,10 @@ def make_attention(
     "auto": Triton kernels on CUDA; on the CPU the C decode kernel when it builds here, else the
     torch path, saying why. "triton" on the CPU needs TRITON_INTERPRET=1 (slow; for tests).
     `vector_bits` (`--cpu-vector-bits`) caps the CPU decode attention's intrinsics path.
-    `kv_int8` (`--kv-cache-dtype int8`): the cache is int8, which the cpu and triton backends read.
+    `kv_int8` (`--kv-cache-dtype int8`): the cache is int8 (every backend reads one; the CPU
+    kernels are built for it).
     """
     shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
-    if kv_int8 and (name == "torch" or (name == "cpu" and device.type != "cpu")):
-        raise SystemExit(
-            f"--kv-cache-dtype int8: the int8 cache is read by the cpu backend (on the CPU) and the "
-            f"triton backend (on CUDA); this worker runs --attention-backend {name} on {device}"
-        )
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         if device.type != "cuda" and not interpreting():
             raise SystemExit(
@@ -185,8 +181,6 @@ def make_attention(
     if name == "torch" or device.type != "cpu":
         if name == "cpu":
             raise SystemExit(f"--attention-backend cpu runs on the CPU only, not on {device}")
-        if kv_int8:
-            raise SystemExit(f"--kv-cache-dtype int8: no attention backend reads an int8 cache on {device}")
         return TorchPagedAttention(*shape)
     try:
         kernel = load_cpu_decode_attention(
@@ -198,10 +192,8 @@ def make_attention(
             kv_int8=kv_int8,
         )
     except KernelBuildError as exc:
-        if name == "cpu" or kv_int8:
-            raise SystemExit(
-                f"--attention-backend cpu{' (--kv-cache-dtype int8)' if kv_int8 else ''}: {exc}"
-            ) from exc
+        if name == "cpu":
+            raise SystemExit(f"--attention-backend cpu: {exc}") from exc
         log.warning("CPU decode kernel unavailable, using the torch attention path: %s", exc)
         return TorchPagedAttention(*shape)
     log.info("CPU decode attention on %s", VECTOR_PATHS[kernel.vector_path])

@@ -136,6 +136,12 @@ def dequantize_slots(cache: Int8Cache, slots: torch.Tensor, dtype: torch.dtype) 
     return (cache.values[blocks, offsets].float() * cache.scales[blocks, :, offsets][..., None]).to(dtype)
 
 
+def dequantize_blocks(cache: Int8Cache, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The blocks at `blocks` ([B] int64), their rows times their scales, into `out` ([B, block_size, Hkv, D])."""
+    scales = cache.scales.index_select(0, blocks).transpose(1, 2)[..., None]  # [B, bs, Hkv, 1]
+    return torch.mul(cache.values.index_select(0, blocks), scales, out=out)
+
+
 def dequantize(cache: Int8Cache, dtype: torch.dtype) -> torch.Tensor:
     """The whole cache as a dense [num_blocks, block_size, Hkv, D] tensor of `dtype` (for tests and references)."""
     return (cache.values.float() * cache.scales.transpose(1, 2)[..., None]).to(dtype)

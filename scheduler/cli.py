@@ -152,9 +152,10 @@ WORKER_FLAGS = (
         str,
         "auto",
         "what the KV cache stores: auto = the serving dtype; int8 = int8 rows with a scale each "
-        "(cpu and triton attention backends: half a bfloat16 cache's bytes per token, so decode steps read half as "
-        "much and the same memory holds twice the tokens; attention sees each value within half a "
-        "quantization step, 1/254 of its row's largest)",
+        "(half a bfloat16 cache's bytes per token, so decode steps read half as much and the same "
+        "memory holds twice the tokens; attention sees each value within half a quantization step, "
+        "1/254 of its row's largest; the cpu and triton kernels read it in place, the torch backend "
+        "dequantizes what it gathers)",
         ("auto", "int8"),
     ),
     Flag("--threads", int, 0, "torch intra-op threads (0 = all cores)"),

@@ -209,9 +209,45 @@ def test_cpu_backend_on_an_int8_cache_matches_attention_on_the_dense_cache(
     assert float((written - k.float()).abs().max()) < 0.05
 
 
-def test_the_worker_refuses_an_int8_cache_where_no_kernel_reads_it() -> None:
-    """The torch backend, the cpu backend on a CUDA device, or a dtype the CPU kernels lack: the
-    worker stops saying why, naming the flag."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_backend_on_an_int8_cache_matches_the_cpu_backend(dtype: torch.dtype) -> None:
+    """The reference backend (and the one a CPU without the C kernels, or float16, takes) writes
+    the same quantized cache and attends to its rows times their scales; decodes and the chunk
+    behind its prefix alike to rounding (torch's SDPA in the dtype, the C kernel in float32)."""
+    from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
+    from gpu_worker.batch import ScheduledChunk, build_forward_batch
+    from kernels.cpu_fused import load_cpu_fused_ops
+
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 16
+    torch.manual_seed(2)
+    base_k = torch.randn(12, block_size, num_kv_heads, head_dim).to(dtype)
+    base_v = torch.randn_like(base_k)
+    chunks = [
+        ScheduledChunk([1], start_position=20, block_table=[3, 4], needs_logits=True),
+        ScheduledChunk([4], start_position=32, block_table=[0, 1, 2], needs_logits=True),  # a block edge
+        ScheduledChunk([1, 2, 3], start_position=29, block_table=[5, 7, 8], needs_logits=True),
+        ScheduledChunk([5, 6], start_position=0, block_table=[11], needs_logits=True),
+    ]
+    batch = build_forward_batch(chunks, block_size, "cpu")
+    q = torch.randn(batch.num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
+    kernel = load_cpu_decode_attention(head_dim, num_heads // num_kv_heads, block_size, dtype, kv_int8=True)
+    cpu_caches, torch_caches = (as_int8(base_k), as_int8(base_v)), (as_int8(base_k), as_int8(base_v))
+    cpu = CpuPagedAttention(
+        num_heads, num_kv_heads, head_dim, kernel=kernel, fused_ops=load_cpu_fused_ops(dtype)
+    )
+    expected = cpu(q, k, v, cpu_caches, batch)
+    out = TorchPagedAttention(num_heads, num_kv_heads, head_dim)(q, k, v, torch_caches, batch)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for mine, theirs in zip(torch_caches, cpu_caches, strict=True):
+        assert torch.equal(mine.values, theirs.values) and torch.equal(mine.scales, theirs.scales)
+
+
+def test_a_cpu_worker_without_the_c_kernel_takes_the_int8_cache_to_the_torch_backend() -> None:
+    """float16 has no C decode kernel: the worker falls back to the torch backend, int8 cache and all;
+    the cpu backend on a CUDA device is refused as ever."""
+    from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
     from gpu_worker.model_config import ModelConfig
     from gpu_worker.startup import make_attention
 
@@ -220,12 +256,14 @@ def test_the_worker_refuses_an_int8_cache_where_no_kernel_reads_it() -> None:
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, context_length=256, tie_word_embeddings=False,
         attention_bias=False, bos_token_id=None, eos_token_ids=(2,),
     )  # fmt: skip
-    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
-        make_attention("torch", config, torch.float32, torch.device("cpu"), 16, kv_int8=True)
-    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
+    backend = make_attention("auto", config, torch.float16, torch.device("cpu"), 16, kv_int8=True)
+    assert type(backend) is TorchPagedAttention
+    assert isinstance(
+        make_attention("auto", config, torch.float32, torch.device("cpu"), 16, kv_int8=True),
+        CpuPagedAttention,
+    )
+    with pytest.raises(SystemExit, match="--attention-backend cpu runs on the CPU only"):
         make_attention("cpu", config, torch.float32, torch.device("cuda"), 16, kv_int8=True)
-    with pytest.raises(SystemExit, match="--kv-cache-dtype int8"):
-        make_attention("auto", config, torch.float16, torch.device("cpu"), 16, kv_int8=True)
 
 
 def test_an_int8_block_holds_close_to_twice_the_tokens_of_a_bfloat16_one() -> None:

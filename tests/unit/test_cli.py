@@ -133,13 +133,9 @@ def test_worker_config_checks_its_flags() -> None:
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
     assert worker_config(parse([*base, "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
-    for backend in ("cpu", "triton"):  # their kernels read an int8 cache
+    for backend in ("cpu", "triton", "torch"):  # every backend reads an int8 cache
         int8 = worker_config(parse([*base, "--kv-cache-dtype", "int8", "--attention-backend", backend]))
         assert (int8.kv_cache_dtype, int8.attention_backend) == ("int8", backend)
-    with pytest.raises(
-        ValueError, match="--kv-cache-dtype='int8' is invalid: allowed auto with --attention-backend torch"
-    ):
-        worker_config(parse([*base, "--kv-cache-dtype", "int8", "--attention-backend", "torch"]))
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         parse([*base, "--kv-cache-dtype", "fp8"])
     tuned = worker_config(parse([*base, "--sbo-depth", "4", "--compute-streams", "2", "--no-cuda-graphs"]))
