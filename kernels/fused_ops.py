@@ -52,7 +52,8 @@ def _quantize_row(src_ptr, dst_ptr, scale_ptr, dims, ok, scale_at):
     """One row as int8 and its scale: max|x| / 127, each value rounded to nearest, ties to even (torch.round)."""
     x = tl.load(src_ptr + dims, mask=ok, other=0.0).to(tl.float32)
     top = tl.max(tl.abs(x), axis=0)
-    inverse = tl.where(top > 0.0, tl.math.div_rn(127.0, top), 0.0)  # a true division, as torch's
+    # A true division, as torch's; an all-zero row (top 0) gets 0, and no division by zero.
+    inverse = tl.where(top > 0.0, tl.math.div_rn(127.0, tl.where(top > 0.0, top, 1.0)), 0.0)
     scaled = x * inverse
     low = tl.floor(scaled)
     rest = scaled - low
