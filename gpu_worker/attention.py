@@ -110,8 +110,30 @@ class TorchPagedAttention:
         if batch.decode is not None:
             num = batch.decode.num_seqs
             out[:num] = self._decode(q[:num], k_cache, v_cache, batch.decode)
+        if batch.prefills and isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
+            k, v = self._as_cached(k_cache, v_cache, k, v, batch.slot_mapping)
         self._prefills(q, k, v, k_cache, v_cache, batch.prefills, out)
         return out.view(q.shape[0], -1)
+
+    def _as_cached(
+        self, k_cache: Int8Cache, v_cache: Int8Cache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's own rows as the int8 cache now holds them (times their scales, in k's dtype),
+        so that a prompt's chunks attend to the same values whether they come fresh, behind a
+        cached prefix or again after a preemption: its greedy tokens then do not depend on what
+        the cache held. Rows without a slot keep their values."""
+        written = slots >= 0
+        every = bool(written.all())
+        out = []
+        for cache, rows in ((k_cache, k), (v_cache, v)):
+            cached = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
+            if every and isinstance(self.fused_ops, CpuFusedOps):
+                self.fused_ops.dequantize_kv_int8(cache, slots, cached)
+            else:
+                cached.copy_(rows)
+                cached[written] = dequantize_slots(cache, slots[written], rows.dtype)
+            out.append(cached)
+        return out[0], out[1]
 
     def _prefills(
         self,
