@@ -11,10 +11,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DENSE_WEIGHTS = ("auto", "keep", "drop")
-KV_CACHE_DTYPES = (
-    "auto",
-    "int8",
-)  # auto: the model's dtype; int8: rows and a scale each (kernels/kv_int8.py)
+# auto: the model's dtype; int8: rows and a scale each (kernels/kv_int8.py)
+KV_CACHE_DTYPES = ("auto", "int8")
 
 # A worker's exit code when it cannot start with this model and these settings (a model file it
 # cannot load, a device or dtype this machine lacks): starting it again would fail the same way,

@@ -15,8 +15,6 @@ CacheTensor = torch.Tensor | Int8Cache
 LayerCache = tuple[CacheTensor, CacheTensor]
 KVCache = list[LayerCache]
 
-KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
-
 
 def kv_cache_bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, kv_int8: bool = False

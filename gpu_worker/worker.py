@@ -144,6 +144,7 @@ def _run(config: WorkerConfig) -> int:
             log.error("expected Configure from the scheduler, got %s", message.WhichOneof("kind"))
             return 1
         configure = message.configure
+        kv_int8 = config.kv_cache_dtype == "int8"
         # The kernels this worker will run build beside the model's loading, each compile a
         # process of its own: a first start on a machine pays the longest of them, not their sum.
         with ThreadPoolExecutor(2, thread_name_prefix="kernel-build") as builds:
@@ -157,12 +158,11 @@ def _run(config: WorkerConfig) -> int:
                 device,
                 configure.block_size,
                 config.cpu_vector_bits,
-                config.kv_cache_dtype == "int8",
+                kv_int8,
             )
             model = load_weights(config, model_config, dtype, device, block_build)
             num_blocks = plan_num_blocks(config, model_config, device, dtype, configure)
             started = time.perf_counter()
-            kv_int8 = config.kv_cache_dtype == "int8"
             kv_cache = allocate_kv_cache(
                 model_config, num_blocks, configure.block_size, dtype, device, kv_int8
             )
