@@ -280,19 +280,12 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
     return rows
 
 
-def as_int8(cache: torch.Tensor) -> object:
-    """A dense cache quantized row by row into the int8 layout (kernels/kv_int8.py), on its device."""
-    from kernels.kv_int8 import Int8Cache, quantize_rows
-
-    values, scales = quantize_rows(cache)
-    return Int8Cache(values.contiguous(), scales.transpose(1, 2).contiguous())
-
-
 def cuda_int8_cache(
     dtype: torch.dtype, device: torch.device, dense_rows: list[dict[str, float]], peak: float
 ) -> list[dict[str, object]]:
     """The Triton kernel on each case's cache quantized to int8, as replays of a captured graph,
     beside the dense cache's graph time from the table above."""
+    from kernels.kv_int8 import quantize_cache
     from kernels.paged_attention import paged_decode_attention
 
     print("\n# the Triton kernel on an int8 cache (--kv-cache-dtype int8), graph replays")
@@ -302,7 +295,7 @@ def cuda_int8_cache(
     rows = []
     for (num_seqs, context), dense in zip(CASES, dense_rows, strict=True):
         case = make_case(num_seqs, context, dtype, device)
-        k_cache, v_cache = as_int8(case["k_cache"]), as_int8(case["v_cache"])
+        k_cache, v_cache = quantize_cache(case["k_cache"]), quantize_cache(case["v_cache"])
 
         def run(
             case: dict[str, torch.Tensor] = case,
@@ -329,6 +322,7 @@ def cpu_int8_cache(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[st
     (kernels/kv_int8.py), `layers` layers' caches a step as in the paths table; best of `rounds`
     interleaved rounds of 10 steps. Bytes: what each must read (an int8 row and its scale)."""
     from kernels.cpu_decode import load_cpu_decode_attention
+    from kernels.kv_int8 import quantize_cache
 
     kernels = {
         "dense": load_cpu_decode_attention(64, 3, 16, dtype),
@@ -345,7 +339,10 @@ def cpu_int8_cache(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[st
         dense = [make_case(num_seqs, context, dtype, torch.device("cpu")) for _ in range(layers)]
         cases = {
             "dense": dense,
-            "int8": [dict(c, k_cache=as_int8(c["k_cache"]), v_cache=as_int8(c["v_cache"])) for c in dense],  # type: ignore[dict-item]
+            "int8": [
+                dict(c, k_cache=quantize_cache(c["k_cache"]), v_cache=quantize_cache(c["v_cache"]))
+                for c in dense
+            ],  # type: ignore[dict-item]
         }
         best = dict.fromkeys(kernels, float("inf"))
         for _ in range(rounds):

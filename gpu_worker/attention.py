@@ -127,13 +127,21 @@ class TorchPagedAttention:
         out = []
         for cache, rows in ((k_cache, k), (v_cache, v)):
             cached = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)  # contiguous
-            if every and isinstance(self.fused_ops, CpuFusedOps):
-                self.fused_ops.dequantize_kv_int8(cache, slots, cached)
+            if every:
+                self._dequantize_into(cache, slots, cached)
             else:
                 cached.copy_(rows)
                 cached[written] = dequantize_slots(cache, slots[written], rows.dtype)
             out.append(cached)
         return out[0], out[1]
+
+    def _dequantize_into(self, cache: Int8Cache, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """out [S, Hkv, D] = the int8 cache's rows at `slots` times their scales: in C where the
+        CPU fused ops are loaded, else in torch."""
+        if isinstance(self.fused_ops, CpuFusedOps):
+            self.fused_ops.dequantize_kv_int8(cache, slots, out)
+        else:
+            out.copy_(dequantize_slots(cache, slots, out.dtype))
 
     def _prefills(
         self,
@@ -341,17 +349,10 @@ class CpuPagedAttention(TorchPagedAttention):
             return empty, empty, renumbered
         rows = gathered.shape[0]
         shape = (rows, 1, self.num_kv_heads, self.head_dim)
-        if self.fused_ops is None:
-            return (
-                dequantize_slots(k_cache, gathered, dtype).view(shape),
-                dequantize_slots(v_cache, gathered, dtype).view(shape),
-                renumbered,
-            )
-        # In C, into this thread's buffers (kept between layers and steps): no per-layer temporaries.
-        like = torch.empty((), dtype=dtype)
-        k_rows, v_rows = self._gather_buffers(rows, like)
-        self.fused_ops.dequantize_kv_int8(k_cache, gathered, k_rows)
-        self.fused_ops.dequantize_kv_int8(v_cache, gathered, v_rows)
+        # Into this thread's buffers (kept between layers and steps): no per-layer temporaries.
+        k_rows, v_rows = self._gather_buffers(rows, torch.empty((), dtype=dtype))
+        self._dequantize_into(k_cache, gathered, k_rows)
+        self._dequantize_into(v_cache, gathered, v_rows)
         return k_rows.view(shape), v_rows.view(shape), renumbered
 
     def _decode(

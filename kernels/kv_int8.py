@@ -37,6 +37,9 @@ class Int8Cache:
             torch.zeros((num_blocks, num_kv_heads, block_size), dtype=torch.float32, device=device),
         )
 
+    def to(self, device: torch.device | str) -> Int8Cache:
+        return Int8Cache(self.values.to(device), self.scales.to(device))
+
     @property
     def shape(self) -> torch.Size:
         """The rows' shape, [num_blocks, block_size, num_kv_heads, head_dim], as a dense cache's."""
@@ -113,6 +116,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inverse = torch.where(top > 0, torch.full_like(top, QMAX) / top, torch.zeros_like(top))
     q = torch.round(x * inverse[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, top * (1.0 / QMAX)
+
+
+def quantize_cache(cache: torch.Tensor) -> Int8Cache:
+    """A dense cache [num_blocks, block_size, Hkv, D], quantized row by row into the int8 layout."""
+    values, scales = quantize_rows(cache)  # [blocks, bs, Hkv, D], [blocks, bs, Hkv]
+    return Int8Cache(values.contiguous(), scales.transpose(1, 2).contiguous())
 
 
 def write_kv_int8(

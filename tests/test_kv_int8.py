@@ -7,14 +7,15 @@ import torch
 
 from kernels.cpu_build import KernelBuildError
 from kernels.cpu_decode import load_cpu_decode_attention, paged_decode_attention_reference
-from kernels.kv_int8 import Int8Cache, dequantize, dequantize_slots, quantize_rows, write_kv_int8
+from kernels.kv_int8 import (
+    Int8Cache,
+    dequantize,
+    dequantize_slots,
+    quantize_cache,
+    quantize_rows,
+    write_kv_int8,
+)
 from tests.test_cpu_decode_kernel import TOLERANCE, VECTOR_PATHS, make_case
-
-
-def as_int8(cache: torch.Tensor) -> Int8Cache:
-    """A dense cache [blocks, block_size, Hkv, D], quantized row by row into the int8 layout."""
-    q, scales = quantize_rows(cache)  # [blocks, bs, Hkv, D], [blocks, bs, Hkv]
-    return Int8Cache(q.contiguous(), scales.transpose(1, 2).contiguous())
 
 
 def test_quantized_rows_are_within_half_a_step_of_the_input() -> None:
@@ -60,7 +61,7 @@ def test_int8_kernel_matches_reference_at_block_edges(
     b = block_size
     lengths = [1, 2, b - 1, b, b + 1, 2 * b - 1, 2 * b, 2 * b + 1, 7 * b + 3]
     q, k_dense, v_dense, tables, lens = make_case(lengths, b, num_kv_heads, group, head_dim, dtype)
-    k_cache, v_cache = as_int8(k_dense), as_int8(v_dense)
+    k_cache, v_cache = quantize_cache(k_dense), quantize_cache(v_dense)
     kernel = load_cpu_decode_attention(head_dim, group, block_size, dtype, vector_bits, kv_int8=True)
     out = kernel(q, k_cache, v_cache, tables, lens)
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens)
@@ -75,7 +76,7 @@ def test_int8_kernel_matches_reference_at_block_edges(
 def test_int8_kernel_split_work_items_match_the_reference(lengths: list[int]) -> None:
     """Long sequences in few: the step is split into parts of 128 tokens (per kv head or all of them)."""
     q, k_dense, v_dense, tables, lens = make_case(lengths, 16, 3, 3, 64, torch.bfloat16, seed=7)
-    k_cache, v_cache = as_int8(k_dense), as_int8(v_dense)
+    k_cache, v_cache = quantize_cache(k_dense), quantize_cache(v_dense)
     kernel = load_cpu_decode_attention(64, 3, 16, torch.bfloat16, kv_int8=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -94,14 +95,16 @@ def test_int8_kernel_refuses_a_dense_cache_and_the_dense_kernel_an_int8_one() ->
     with pytest.raises(ValueError, match="k_cache"):
         int8(q, k_dense, v_dense, tables, lens)
     with pytest.raises(ValueError, match="k_cache"):
-        dense(q, as_int8(k_dense), as_int8(v_dense), tables, lens)
-    bad = as_int8(k_dense)
+        dense(q, quantize_cache(k_dense), quantize_cache(v_dense), tables, lens)
+    bad = quantize_cache(k_dense)
     with pytest.raises(ValueError, match="scales"):
-        int8(q, Int8Cache(bad.values, bad.scales[:, :, :8].contiguous()), as_int8(v_dense), tables, lens)
+        int8(
+            q, Int8Cache(bad.values, bad.scales[:, :, :8].contiguous()), quantize_cache(v_dense), tables, lens
+        )
 
 
 def test_dequantize_gives_the_rows_times_their_scales() -> None:
-    cache = as_int8(torch.randn(3, 8, 2, 16))
+    cache = quantize_cache(torch.randn(3, 8, 2, 16))
     dense = dequantize(cache, torch.float32)
     slots = torch.arange(24)
     torch.testing.assert_close(
@@ -140,7 +143,7 @@ def test_c_write_equals_the_reference_bit_for_bit(dtype: torch.dtype, head_dim: 
 def test_c_dequantize_equals_the_reference_bit_for_bit(dtype: torch.dtype) -> None:
     from kernels.cpu_fused import load_cpu_fused_ops
 
-    cache = as_int8(torch.randn(5, 16, 3, 64) * 4)
+    cache = quantize_cache(torch.randn(5, 16, 3, 64) * 4)
     slots = torch.tensor([0, 79, 16, 33, 15, 64])
     out = torch.empty(6, 3, 64, dtype=dtype)
     load_cpu_fused_ops(dtype).dequantize_kv_int8(cache, slots, out)
@@ -169,7 +172,7 @@ def test_cpu_backend_on_an_int8_cache_matches_attention_on_the_dense_cache(
     torch.manual_seed(0)
     dense_k = torch.randn(40, block_size, num_kv_heads, head_dim).to(dtype)
     dense_v = torch.randn_like(dense_k)
-    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    k_cache, v_cache = quantize_cache(dense_k), quantize_cache(dense_v)
     dense_k, dense_v = (
         dequantize(k_cache, dtype),
         dequantize(v_cache, dtype),
@@ -233,7 +236,10 @@ def test_the_torch_backend_on_an_int8_cache_matches_the_cpu_backend(dtype: torch
     k = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(batch.num_tokens, num_kv_heads, head_dim).to(dtype)
     kernel = load_cpu_decode_attention(head_dim, num_heads // num_kv_heads, block_size, dtype, kv_int8=True)
-    cpu_caches, torch_caches = (as_int8(base_k), as_int8(base_v)), (as_int8(base_k), as_int8(base_v))
+    cpu_caches, torch_caches = (
+        (quantize_cache(base_k), quantize_cache(base_v)),
+        (quantize_cache(base_k), quantize_cache(base_v)),
+    )
     cpu = CpuPagedAttention(
         num_heads, num_kv_heads, head_dim, kernel=kernel, fused_ops=load_cpu_fused_ops(dtype)
     )
@@ -308,7 +314,7 @@ def test_the_triton_backend_on_an_int8_cache_matches_the_cpu_backend(dtype: torc
     q = torch.randn(6, num_heads, head_dim).to(dtype)
     k = torch.randn(6, num_kv_heads, head_dim).to(dtype)
     v = torch.randn(6, num_kv_heads, head_dim).to(dtype)
-    cpu_caches = (as_int8(base_k), as_int8(base_v))
+    cpu_caches = (quantize_cache(base_k), quantize_cache(base_v))
     cpu = CpuPagedAttention(
         num_heads,
         num_kv_heads,
@@ -319,9 +325,7 @@ def test_the_triton_backend_on_an_int8_cache_matches_the_cpu_backend(dtype: torc
         fused_ops=load_cpu_fused_ops(dtype),
     )
     expected = cpu(q, k, v, cpu_caches, build_forward_batch(chunks, block_size, "cpu"))
-    on_device = tuple(
-        Int8Cache(c.values.to(device), c.scales.to(device)) for c in (as_int8(base_k), as_int8(base_v))
-    )
+    on_device = (quantize_cache(base_k).to(device), quantize_cache(base_v).to(device))
     triton = TritonPagedAttention(num_heads, num_kv_heads, head_dim)
     batch = build_forward_batch(chunks, block_size, device)
     out = triton(q.to(device), k.to(device), v.to(device), on_device, batch)

@@ -27,7 +27,7 @@ from kernels.fused_ops import (
     write_kv,
     write_kv_reference,
 )
-from kernels.kv_int8 import Int8Cache, quantize_rows, write_kv_int8
+from kernels.kv_int8 import Int8Cache, quantize_cache, write_kv_int8
 from kernels.paged_attention import (
     _decode_reduce_kernel,
     _decode_split_kernel,
@@ -60,18 +60,6 @@ def random_cache(
         tables[row, :count] = torch.tensor(order[:count], dtype=torch.int32)
         order = order[count:]
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
-
-
-def as_int8(cache: torch.Tensor) -> Int8Cache:
-    """A dense cache quantized row by row into the int8 layout (kernels/kv_int8.py), on its device."""
-    values, scales = quantize_rows(cache.cpu())
-    return Int8Cache(
-        values.contiguous().to(cache.device), scales.transpose(1, 2).contiguous().to(cache.device)
-    )
-
-
-def on_cpu(cache: Int8Cache) -> Int8Cache:
-    return Int8Cache(cache.values.cpu(), cache.scales.cpu())
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -130,13 +118,13 @@ def test_decode_attention_reads_an_int8_cache(
     b = block_size
     lengths = [1, b - 1, b + 1, 4 * b + 3]
     dense_k, dense_v, tables = random_cache(lengths, b, num_kv_heads, 64, dtype, seed=b + group)
-    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    k_cache, v_cache = quantize_cache(dense_k.cpu()).to(DEVICE), quantize_cache(dense_v.cpu()).to(DEVICE)
     q = torch.randn(len(lengths), num_kv_heads * group, 64, generator=torch.Generator().manual_seed(4))
     q = q.to(dtype).to(DEVICE)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, max(lengths), num_splits=num_splits)
     expected = paged_decode_attention_reference(
-        q.cpu(), on_cpu(k_cache), on_cpu(v_cache), tables.cpu(), lens.cpu()
+        q.cpu(), k_cache.to("cpu"), v_cache.to("cpu"), tables.cpu(), lens.cpu()
     )
     assert_close(out, expected, dtype)
     with pytest.raises(ValueError, match="k_cache: the K and V caches must both be int8"):
@@ -205,11 +193,11 @@ def test_prefill_attention_reads_an_int8_cache(dtype: torch.dtype) -> None:
     chunks = [(0, b + 1), (7, 2 * b - 1), (2 * b, 5)]
     contexts = [cached + length for cached, length in chunks]
     dense_k, dense_v, tables = random_cache(contexts, b, num_kv_heads, head_dim, dtype, seed=11)
-    k_cache, v_cache = as_int8(dense_k), as_int8(dense_v)
+    k_cache, v_cache = quantize_cache(dense_k.cpu()).to(DEVICE), quantize_cache(dense_v.cpu()).to(DEVICE)
     q, query_start, lens = prefill_queries(chunks, num_kv_heads * group, head_dim, dtype, seed=5)
     out = paged_prefill_attention(q, k_cache, v_cache, tables, query_start, lens, max(c for _, c in chunks))
     expected = paged_prefill_attention_reference(
-        q.cpu(), on_cpu(k_cache), on_cpu(v_cache), tables.cpu(), query_start.cpu(), lens.cpu()
+        q.cpu(), k_cache.to("cpu"), v_cache.to("cpu"), tables.cpu(), query_start.cpu(), lens.cpu()
     )
     assert_close(out, expected, dtype)
 
