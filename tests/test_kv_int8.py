@@ -137,6 +137,8 @@ def test_c_write_equals_the_reference_bit_for_bit(dtype: torch.dtype, head_dim: 
         assert torch.equal(mine.scales, theirs.scales)
     with pytest.raises(ValueError, match="k_cache: the K and V caches must both be int8"):
         load_cpu_fused_ops(dtype).write_kv(k, v, ours[0], torch.zeros(16, 16, 3, d, dtype=dtype), slots)
+    with pytest.raises(ValueError, match="slot_mapping: slots must be < 256"):  # the C write trusts them
+        load_cpu_fused_ops(dtype).write_kv(k, v, ours[0], ours[1], torch.full_like(slots, 256))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
