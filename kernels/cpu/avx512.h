@@ -43,6 +43,45 @@ static inline __m512 sum16(const __m512 v[16])
                          _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* Lane j of the result is the largest of v[j]'s 16 lanes (max16's tree; a max is exact in any order). */
+static inline __m512 max16(const __m512 v[16])
+{
+    __m512 b[8], c[4];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        c[j] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e01 = _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e23 = _mm512_max_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_max_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/*
+ * Lane j of the result is _mm512_reduce_add_ps(v[j]), to the bit: the same pairs added in the same
+ * order (lanes i and i + 8, then i and i + 4, i and i + 2, i and i + 1), for 16 vectors at once.
+ */
+static inline __m512 reduce_add16(const __m512 v[16])
+{
+    __m512 w[8], u[4], z[2];
+    for (int k = 0; k < 8; k++) /* [a of v[2k], a of v[2k + 1]], a_i = x_(i+8) + x_i */
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int m = 0; m < 4; m++) /* 128-bit lane L: b of v[4m + L], b_i = a_(i+4) + a_i */
+        u[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int n = 0; n < 2; n++) /* lane L: c0, c1 of v[8n + L], then of v[8n + 4 + L]; c_i = b_i + b_(i+2) */
+        z[n] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * n], u[2 * n + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane L, element e: c0 + c1 of v[L + 4e]; element 4L + e back to lane L + 4e */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
 /* elements.h's exp_nonpositive on 16 lanes, step for step: 2^n * p(f), n = floor(y + 1/2). */
 static inline __m512 exp16_nonpositive(__m512 x)
 {

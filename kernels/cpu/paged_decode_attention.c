@@ -378,6 +378,51 @@ static inline void scale_weights(float (*p)[BLOCK], const float *value_scales, i
 #endif
 }
 
+#if VECTOR_PATH == 512
+/*
+ * The online softmax's step over one block for query rows first .. first + n - 1 (n <= 16) at
+ * once: each row's new max, the factor exp(old max - new max) for its sum and output so far, and
+ * its scores replaced by exp(score - new max). The rows' maxima, factors and sums go 16 to a
+ * vector (max16, reduce_add16), not one horizontal reduction and one scalar exp per row: the same
+ * values, bit for bit, as row by row.
+ */
+static void softmax_step16(float (*scores)[BLOCK], int64_t n, state_t *s, int64_t first)
+{
+    const __mmask16 rows = (__mmask16)((1u << n) - 1u);
+    __m512 v[16];
+    for (int g = 0; g < 16; g++) {
+        __m512 top = _mm512_set1_ps(-1e30f);
+        if (g < n)
+            for (int t = 0; t < BLOCK; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(scores[g] + t));
+        v[g] = top;
+    }
+    const __m512 old_max = _mm512_maskz_loadu_ps(rows, s->max + first);
+    const __m512 new_max = _mm512_max_ps(old_max, max16(v));
+    const __m512 rescale = exp16_nonpositive(_mm512_sub_ps(old_max, new_max));
+    float shift[16] __attribute__((aligned(64))), factor[16] __attribute__((aligned(64)));
+    _mm512_store_ps(shift, new_max);
+    _mm512_store_ps(factor, rescale);
+    for (int g = 0; g < 16; g++) {
+        __m512 sum = _mm512_setzero_ps();
+        if (g < n)
+            for (int t = 0; t < BLOCK; t += 16) {
+                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), _mm512_set1_ps(shift[g])));
+                _mm512_store_ps(scores[g] + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+        v[g] = sum;
+    }
+    const __m512 old_sum = _mm512_maskz_loadu_ps(rows, s->sum + first);
+    _mm512_mask_storeu_ps(s->sum + first, rows, _mm512_fmadd_ps(old_sum, rescale, reduce_add16(v)));
+    _mm512_mask_storeu_ps(s->max + first, rows, new_max);
+    for (int64_t g = 0; g < n; g++) {
+        const __m512 f = _mm512_set1_ps(factor[g]);
+        float *acc = s->acc[first + g];
+        for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(acc + i, _mm512_mul_ps(_mm512_load_ps(acc + i), f));
+    }
+}
+#endif
+
 /*
  * The tokens [start, end) of a sequence (start a multiple of BLOCK) for `heads` kv heads, from the
  * kv head that kv points at (1 for a per-head item; all of them, `num_kv_heads`,
@@ -408,23 +453,7 @@ static void attend_part(const elem_t *q, float (*qf)[HEAD_DIM], kv_t kv, const i
         block_scores(q, qf, kv.k + block * BLOCK * ROW, KV_INT8 ? kv.k_scale + scales_at : 0, ROW, heads, valid,
                      scale, scores, &next_keys);
 #if VECTOR_PATH == 512
-        for (int64_t g = 0; g < rows; g++) {
-            __m512 top = _mm512_set1_ps(s->max[g]);
-            for (int t = 0; t < BLOCK; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(scores[g] + t));
-            const float block_max = _mm512_reduce_max_ps(top);
-            const float rescale = exp_nonpositive(s->max[g] - block_max);
-            const __m512 shift = _mm512_set1_ps(block_max);
-            __m512 sum = _mm512_setzero_ps();
-            for (int t = 0; t < BLOCK; t += 16) {
-                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(scores[g] + t), shift));
-                _mm512_store_ps(scores[g] + t, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            s->sum[g] = s->sum[g] * rescale + _mm512_reduce_add_ps(sum);
-            s->max[g] = block_max;
-            const __m512 factor = _mm512_set1_ps(rescale);
-            for (int i = 0; i < HEAD_DIM; i += 16) _mm512_store_ps(s->acc[g] + i, _mm512_mul_ps(_mm512_load_ps(s->acc[g] + i), factor));
-        }
+        for (int64_t g = 0; g < rows; g += 16) softmax_step16(scores + g, rows - g < 16 ? rows - g : 16, s, g);
 #elif VECTOR_PATH == 256
         for (int64_t g = 0; g < rows; g++) {
             __m256 top = _mm256_set1_ps(s->max[g]);
