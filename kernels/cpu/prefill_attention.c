@@ -320,8 +320,10 @@ int duoserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16
         configure();
 #endif
 
-        /* Attention: one query head and 16 query rows per item, a chunk's last rows first. */
-#pragma omp for schedule(dynamic, 1)
+        /* Attention: one query head and 16 query rows per item, a chunk's last rows first. Items
+         * are taken 4 at a time: each take is an atomic add on a line both cores write, about
+         * 130 ns here, and one at a time they cost 11% of 8 prompts x 256 (1.14 against 1.29-1.41 ms). */
+#pragma omp for schedule(dynamic, 4)
         for (int64_t item = 0; item < items; item++) {
             int64_t p = 0, rest = item, offset = 0;
             while (rest >= round_up(lens[p], 16) / 16 * num_heads) {

@@ -191,8 +191,9 @@ int duoserve_prefill_attention(const float *q, int64_t q_stride, const float *k,
     int64_t items = 0;
     for (int64_t p = 0; p < num_prompts; p++) items += (lens[p] + ROWS - 1) / ROWS * num_heads;
 
-    /* One query head and ROWS query rows per item, a chunk's last rows (the most keys) first. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    /* One query head and ROWS query rows per item, a chunk's last rows (the most keys) first,
+     * taken 4 at a time (each take is an atomic add on a line both cores write). */
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t item = 0; item < items; item++) {
         scratch_t s __attribute__((aligned(32)));
         int64_t p = 0, rest = item;
