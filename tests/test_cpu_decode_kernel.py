@@ -67,6 +67,9 @@ VECTOR_PATHS = [
         (24, 2, 3, 40),
         (8, 1, 16, 8),
         (12, 2, 2, 16),
+        # A whole-sequence item of more than 16 query rows: the softmax steps 16 rows, then the rest.
+        (16, 6, 3, 32),
+        (16, 4, 8, 64),
     ],
 )
 def test_kernel_matches_reference_at_block_edges(
