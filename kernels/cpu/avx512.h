@@ -43,7 +43,7 @@ static inline __m512 sum16(const __m512 v[16])
                          _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Lane j of the result is the largest of v[j]'s 16 lanes (max16's tree; a max is exact in any order). */
+/* Lane j of the result is the largest of v[j]'s 16 lanes: sum16's tree with max for add (a max is exact in any order). */
 static inline __m512 max16(const __m512 v[16])
 {
     __m512 b[8], c[4];
