@@ -26,39 +26,31 @@ static inline __m512bh broadcast_pair_bf16(const uint16_t *p)
 }
 #endif
 
-/* Lane j of the result is the sum of v[j]'s 16 lanes: 16 horizontal sums in one transposing tree. */
-static inline __m512 sum16(const __m512 v[16])
+static inline __m512 add_lanes(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+static inline __m512 max_lanes(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+
+/* Lane j of the result is op over v[j]'s 16 lanes, for 16 vectors in one transposing tree (op is
+ * add_lanes or max_lanes, and inlined: the callers below pass it as a constant). */
+static inline __m512 across16(const __m512 v[16], __m512 (*op)(__m512, __m512))
 {
     __m512 b[8], c[4];
-    for (int j = 0; j < 8; j++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
-        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++) /* per 128-bit lane: that lane's sums of v[4j] .. v[4j+3] */
-        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int j = 0; j < 8; j++) /* per 128-bit lane: [x0 op x2, y0 op y2, x1 op x3, y1 op y3] */
+        b[j] = op(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) /* per 128-bit lane: op over that lane of v[4j] .. v[4j+3] */
+        c[j] = op(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                  _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e01 = op(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e23 = op(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return op(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Lane j of the result is the largest of v[j]'s 16 lanes: sum16's tree with max for add (a max is exact in any order). */
-static inline __m512 max16(const __m512 v[16])
-{
-    __m512 b[8], c[4];
-    for (int j = 0; j < 8; j++)
-        b[j] = _mm512_max_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++)
-        c[j] = _mm512_max_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e01 = _mm512_max_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e23 = _mm512_max_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_max_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+/* Lane j of the result is the sum of v[j]'s 16 lanes: 16 horizontal sums in one tree. */
+static inline __m512 sum16(const __m512 v[16]) { return across16(v, add_lanes); }
+
+/* Lane j of the result is the largest of v[j]'s 16 lanes (a max is exact in any order). */
+static inline __m512 max16(const __m512 v[16]) { return across16(v, max_lanes); }
 
 /*
  * Lane j of the result is _mm512_reduce_add_ps(v[j]), to the bit: the same pairs added in the same
