@@ -19,7 +19,7 @@
 
 #include "elements.h"
 #ifdef __AVX512F__
-#include <immintrin.h>
+#include "avx512.h"
 #endif
 
 /* x * sigmoid(x), with exp taken only of non-positive arguments. */
@@ -31,7 +31,6 @@ static inline float silu(float x)
 }
 
 #if ELEM_BF16 && defined(__AVX512BF16__)
-#include "avx512.h"
 #define NATIVE_BF16 1
 /* 16 float32 values rounded to bfloat16, nearest even, in one instruction (avx512.h widens back). */
 static inline __m256i round16_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
@@ -188,8 +187,7 @@ static void quantize_row(const elem_t *x, int64_t dim, int8_t *q, float *scale)
         __m512 top16 = _mm512_setzero_ps();
         for (int64_t c = 0; c < dim / 16; c++) {
 #if ELEM_BF16
-            wide[c] = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * c))), 16));
+            wide[c] = load16_bf16(x + 16 * c);
 #else
             wide[c] = _mm512_loadu_ps(x + 16 * c);
 #endif
