@@ -305,7 +305,7 @@ class CpuPagedAttention(TorchPagedAttention):
         out: torch.Tensor,
     ) -> None:
         if isinstance(k_cache, Int8Cache) and isinstance(v_cache, Int8Cache):
-            k_cache, v_cache, chunks = self._dense_prefixes(k_cache, v_cache, chunks, q.dtype)
+            k_cache, v_cache, chunks = self._dense_prefixes(k_cache, v_cache, chunks, q)
         assert isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor), (
             "K and V caches differ in kind"
         )
@@ -321,11 +321,11 @@ class CpuPagedAttention(TorchPagedAttention):
         self.prefill_kernel(q, k, v, planned[1], out, (k_cache, v_cache))
 
     def _dense_prefixes(
-        self, k_cache: Int8Cache, v_cache: Int8Cache, chunks: Sequence[PrefillAttention], dtype: torch.dtype
+        self, k_cache: Int8Cache, v_cache: Int8Cache, chunks: Sequence[PrefillAttention], q: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Sequence[PrefillAttention]]:
         """The rows that the chunks behind a cached prefix read, dequantized into dense [S, 1, Hkv, D]
-        caches, and the chunks with their key slots renumbered into them (the same for every layer
-        of the step, so kept per step)."""
+        caches of q's dtype, and the chunks with their key slots renumbered into them (the same for
+        every layer of the step, so kept per step)."""
         kept = getattr(self._local, "dense_chunks", None)
         if kept is None or kept[0] is not chunks:
             slots, renumbered, at = [], [], 0
@@ -345,12 +345,12 @@ class CpuPagedAttention(TorchPagedAttention):
             self._local.dense_chunks = kept = (chunks, gathered, renumbered)
         _, gathered, renumbered = kept
         if gathered is None:  # no chunk reads the cache
-            empty = torch.empty((1, 1, self.num_kv_heads, self.head_dim), dtype=dtype)
+            empty = q.new_empty((1, 1, self.num_kv_heads, self.head_dim))
             return empty, empty, renumbered
         rows = gathered.shape[0]
         shape = (rows, 1, self.num_kv_heads, self.head_dim)
         # Into this thread's buffers (kept between layers and steps): no per-layer temporaries.
-        k_rows, v_rows = self._gather_buffers(rows, torch.empty((), dtype=dtype))
+        k_rows, v_rows = self._gather_buffers(rows, q)
         self._dequantize_into(k_cache, gathered, k_rows)
         self._dequantize_into(v_cache, gathered, v_rows)
         return k_rows.view(shape), v_rows.view(shape), renumbered

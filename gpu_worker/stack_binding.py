@@ -21,7 +21,7 @@ from gpu_worker.kv_cache import LayerCache
 from gpu_worker.linear import SMALL_STEP_ROWS, Linear
 from kernels.block_weights import Blocks
 from kernels.cpu_stack import BoundStack, CpuDecodeStack, StackLayer
-from kernels.kv_int8 import Int8Cache
+from kernels.kv_int8 import cache_rows
 
 if TYPE_CHECKING:
     from gpu_worker.model import LlamaModel
@@ -126,12 +126,7 @@ class StackBinding:
     ) -> BoundStack | None:
         """`decode_stack` bound to these caches (again only when they changed); None where a linear
         has no weights for its kernel."""
-        first = kv_caches[0][0]
-        key = (
-            decode_stack,
-            (first.values if isinstance(first, Int8Cache) else first).data_ptr(),
-            len(kv_caches),
-        )
+        key = (decode_stack, cache_rows(kv_caches[0][0]).data_ptr(), len(kv_caches))
         bound = self._bound.get(id(decode_stack))
         if bound is None or bound[0] != key:
             layers = stack_layers(model, kv_caches, decode_stack.blocks)

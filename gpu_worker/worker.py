@@ -192,6 +192,7 @@ def _run(config: WorkerConfig) -> int:
         )
         # CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread.
         one_thread = streams is not None and not config.sbo_threads
+        kv_cache_dtype = "int8" if kv_int8 else dtype_name(dtype)  # what ListModels and the log name
         ready = worker_pb2.Ready(
             worker_id=config.worker_id,
             model_name=model_config.name,
@@ -202,7 +203,7 @@ def _run(config: WorkerConfig) -> int:
             device=str(device),
             block_size=configure.block_size,
             num_blocks=num_blocks,
-            kv_cache_dtype="int8" if kv_int8 else dtype_name(dtype),
+            kv_cache_dtype=kv_cache_dtype,
             # A step's late inputs (ModelRunner.stage) are written in once the steps in front have
             # appended their tokens: every pipeline waits for that but CUDA SBO on threads, which
             # finishes steps on a thread of its own. On one compute stream a prompt's next chunk
@@ -214,7 +215,7 @@ def _run(config: WorkerConfig) -> int:
             "ready: %d KV blocks of %d tokens (%s), %s attention, SBO %s, %s",
             num_blocks,
             configure.block_size,
-            "int8" if kv_int8 else dtype_name(dtype),
+            kv_cache_dtype,
             model.attention_backend,
             "off"
             if not sbo

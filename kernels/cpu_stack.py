@@ -37,7 +37,7 @@ from kernels.block_weights import BlockRows, Blocks
 from kernels.cpu_block_linear import block_linear_entry
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
 from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_BITS
-from kernels.kv_int8 import Int8Cache
+from kernels.kv_int8 import Int8Cache, cache_rows
 
 # The block builds' decode steps: up to this many sequences (its scratch is sized for them);
 # larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
@@ -158,7 +158,7 @@ class BoundStack:
             pointers[2],
             pointers[3],
             layer.next_norm.data_ptr(),
-            *(_cache_rows(cache).data_ptr() for cache in (layer.k_cache, layer.v_cache)),
+            *(cache_rows(cache).data_ptr() for cache in (layer.k_cache, layer.v_cache)),
             *types,
             *extra,
             *extra_types,
@@ -236,13 +236,13 @@ class BoundStack:
                 raise ValueError(f"layers[{index}].{name}: this stack's build reads {kind}")
             if isinstance(cache, Int8Cache):
                 cache.check()
-            cache_rows = _cache_rows(cache)
+            stored = cache_rows(cache)
             require(
-                tuple(cache_rows.shape) == cache_shape
-                and cache_rows.dtype == (torch.int8 if self.stack.kv_int8 else self.dtype)
-                and cache_rows.is_contiguous(),
+                tuple(stored.shape) == cache_shape
+                and stored.dtype == (torch.int8 if self.stack.kv_int8 else self.dtype)
+                and stored.is_contiguous(),
                 f"layers[{index}].{name}",
-                cache_rows,
+                stored,
                 f"a contiguous {'int8' if self.stack.kv_int8 else dtype_name} tensor of shape {cache_shape}",
             )
 
@@ -467,10 +467,6 @@ def load_cpu_decode_stack(
                 function, head_dim, group, block_size, engine, blocks, dtype, kv_int8
             )
         return _loaded[key]
-
-
-def _cache_rows(cache: torch.Tensor | Int8Cache) -> torch.Tensor:
-    return cache.values if isinstance(cache, Int8Cache) else cache
 
 
 __all__ = ["BoundStack", "CpuDecodeStack", "KernelBuildError", "StackLayer", "load_cpu_decode_stack"]

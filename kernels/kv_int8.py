@@ -65,6 +65,11 @@ class Int8Cache:
             )
 
 
+def cache_rows(cache: torch.Tensor | Int8Cache) -> torch.Tensor:
+    """A layer's K or V rows: a dense cache itself, an int8 cache's values."""
+    return cache.values if isinstance(cache, Int8Cache) else cache
+
+
 def int8_pair(
     k_cache: torch.Tensor | Int8Cache, v_cache: torch.Tensor | Int8Cache
 ) -> tuple[Int8Cache, Int8Cache]:
