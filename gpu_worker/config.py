@@ -46,6 +46,7 @@ class WorkerConfig:
     block_linear: bool = True
     dense_weights: str = "auto"
     cpu_vector_bits: int = 512
+    huge_pages: bool = True
     seed: int = 0
     zmq_curve_worker_secret: str = ""
     zmq_curve_server_key: str = ""

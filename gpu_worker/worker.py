@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from gpu_worker.config import CANNOT_START, WorkerConfig
-from gpu_worker.host_memory import keep_freed_memory
+from gpu_worker.host_memory import huge_pages_in_effect, keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import block_kernel, wants_blocks
 from gpu_worker.loader import load_config
@@ -106,6 +106,7 @@ def run_worker(config: WorkerConfig) -> int:
     CANNOT_START, with the reason logged, for a model or a setting it cannot start with."""
     setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
     keep_freed_memory()
+    log.info("host memory: %s", huge_pages_in_effect())
     tracing.setup(
         tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
     )

@@ -217,6 +217,14 @@ WORKER_FLAGS = (
         "CPU decode attention: the widest intrinsics path it may take, 512 (AVX-512 where the CPU "
         "has it), 256 (AVX2 + FMA) or 0 (plain C); lower it only to compare paths or avoid one",
     ),
+    Flag(
+        "--huge-pages",
+        bool,
+        True,
+        "host memory in 2 MiB pages where Linux's transparent huge pages are in madvise mode: the "
+        "worker starts itself again with glibc.malloc.hugetlb=1 unless GLIBC_TUNABLES sets it (fewer "
+        "TLB misses where a CPU step streams the weights and the KV cache)",
+    ),
 )
 WORKER_ONLY_FLAGS = (
     Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),
@@ -346,6 +354,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = worker_config(args)
         except WorkerConfigError as err:
             parser.error(str(err))
+        if config.huge_pages:  # before torch is imported: the process starts again
+            from gpu_worker.host_memory import restart_with_huge_pages
+
+            restart_with_huge_pages()
         from gpu_worker.worker import run_worker
 
         sys.exit(run_worker(config))

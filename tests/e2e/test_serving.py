@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ import pytest
 from duoserve_client import Client
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
 from duoserve_client.errors import DeadlineExceededError
+from gpu_worker.host_memory import glibc_version, huge_page_environment, transparent_huge_pages
 from tests.e2e.harness import MAX_TOKENS, PROMPTS, ServerProcess, chat, metrics, start_server
 
 pytestmark = pytest.mark.slow
@@ -32,6 +34,31 @@ def test_list_models_reports_the_serving_configuration(smollm_server: ServerProc
     assert model.attention_backend == "cpu"  # the C decode kernel: a compiler is on every test machine
     assert model.block_size == 16
     assert model.kv_cache_blocks > 0 and model.kv_cache_tokens == 16 * model.kv_cache_blocks
+
+
+def test_the_worker_holds_its_memory_in_huge_pages_where_linux_gives_them(
+    smollm_server: ServerProcess,
+) -> None:
+    (worker,) = [p for p in smollm_server.descendants if "worker" in " ".join(p.cmdline())]
+    with open(f"/proc/{worker.pid}/smaps_rollup") as rollup:
+        huge_kib = next(int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:"))
+    mode = transparent_huge_pages()
+    if huge_page_environment(os.environ, mode, glibc_version()) is not None:
+        # The worker started itself again with the tunable: its weights (about 600 MB in float32)
+        # and KV cache sit in 2 MiB pages.
+        assert (
+            "host memory: 2 MiB pages where aligned (transparent huge pages: madvise; glibc.malloc.hugetlb=1)"
+            in smollm_server.log()
+        )
+        assert huge_kib > 256 << 10, huge_kib
+    elif mode in ("never", "unavailable"):
+        assert (
+            f"host memory: 4 KiB pages (transparent huge pages: {mode}; glibc.malloc.hugetlb unset)"
+            in smollm_server.log()
+        )
+        assert huge_kib == 0
+    else:  # always, or the tunable already set by whoever started the tests: as Linux and glibc give
+        assert "host memory: " in smollm_server.log()
 
 
 def test_32_concurrent_streams_match_their_solo_results(
