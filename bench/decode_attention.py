@@ -239,6 +239,18 @@ def layers_step(
     return step
 
 
+def read_step(cases: list[dict[str, torch.Tensor]]) -> Callable[[], None]:
+    """Every layer's K and V cache read once, front to back, with next to no arithmetic: a floor
+    for a kernel that must read them (each case's cache holds its sequences' blocks and one more)."""
+
+    def step() -> None:
+        for c in cases:
+            c["k_cache"].view(torch.int64).sum()
+            c["v_cache"].view(torch.int64).sum()
+
+    return step
+
+
 def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[str, object]]:
     """Each intrinsics path of the CPU kernel this CPU can run (kernels/cpu_decode.py's vector_bits),
     side by side, over `layers` layers' caches in turn as a decode step reads them: the KV cache
@@ -253,28 +265,39 @@ def cpu_vector_paths(dtype: torch.dtype, layers: int, rounds: int) -> list[dict[
             kernels[bits] = loaded
     print(f"\n# the CPU kernel's paths, {layers} layers' caches, ms per step (all layers), best of {rounds}")
     print(
+        "# read: the same caches summed front to back as int64, no attention: what reading the bytes"
+        " alone takes (of read: that time over the fastest path's)"
+    )
+    print(
         f"  {'seqs':>5} {'context':>8} "
         + " ".join(f"{VECTOR_PATHS[b]:>9}" for b in kernels)
-        + f" {'GB/s':>8}"
+        + f" {'GB/s':>8} {'read':>8} {'of read':>8}"
     )
     rows = []
     for num_seqs, context in [(1, 320), (1, 4096), (16, 1024), (64, 320)]:
         cases = [make_case(num_seqs, context, dtype, torch.device("cpu")) for _ in range(layers)]
         best = {bits: float("inf") for bits in kernels}
+        read = float("inf")
         for _ in range(rounds):
             for bits, loaded in kernels.items():
                 best[bits] = min(
                     best[bits], time_ms(layers_step(loaded, cases), torch.device("cpu"), repeats=10)
                 )
+            read = min(read, time_ms(read_step(cases), torch.device("cpu"), repeats=10))
         kv_bytes = 2 * num_seqs * context * 3 * 64 * dtype.itemsize * layers
         fastest = min(best.values())
         rows.append(
-            {"seqs": num_seqs, "context": context, "ms": {VECTOR_PATHS[b]: ms for b, ms in best.items()}}
+            {
+                "seqs": num_seqs,
+                "context": context,
+                "ms": {VECTOR_PATHS[b]: ms for b, ms in best.items()},
+                "read_ms": read,
+            }
         )
         print(
             f"  {num_seqs:>5} {context:>8} "
             + " ".join(f"{ms:>9.2f}" for ms in best.values())
-            + f" {kv_bytes / fastest / 1e6:>8.1f}",
+            + f" {kv_bytes / fastest / 1e6:>8.1f} {read:>8.2f} {read / fastest:>7.0%}",
             flush=True,
         )
     return rows
