@@ -19,9 +19,11 @@ transparent huge pages in `madvise` mode (the common default), memory gets 2 MiB
 the process asks, and glibc's malloc asks for all of its memory when started with the tunable
 `glibc.malloc.hugetlb=1` (glibc 2.35 on). The tunable is read when the process starts, so a worker
 started without it runs itself again with it (`huge_page_environment`), before importing torch.
-Measured on the 2-core AMX Xeon, `bench/cpu_step.py` in bfloat16 (decode steps at 320 tokens of
-context): one sequence 9.3-9.8 ms a step against 10.2, 64 sequences 41.8-41.9 against 42.5-43.2,
-and 64 on an int8 KV cache 33.5-33.7 against 35.6-36.0.
+Measured on the 2-core AMX Xeon, `bench/cpu_step.py` in bfloat16 over three paired runs (decode
+steps at 320 tokens of context): one sequence 9.3-10.2 ms a step against 10.2-10.3, 64 sequences
+41.8-42.7 against 42.5-43.6, 64 on an int8 KV cache 33.5-35.3 against 35.6-36.1; served, 64×256×128
+ran 1.03× as fast (median of 5 paired rounds). A 2 MiB page faults in slower than 512 small ones
+on that VM, so a server became ready 0.75-1.0 s later.
 """
 
 from __future__ import annotations
