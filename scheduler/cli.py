@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = worker_config(args)
         except WorkerConfigError as err:
             parser.error(str(err))
-        if config.huge_pages:  # before torch is imported: the process starts again
+        if config.huge_pages and argv is None:  # this process's own command line: it starts again
             from gpu_worker.host_memory import restart_with_huge_pages
 
             restart_with_huge_pages()

@@ -200,3 +200,31 @@ def test_every_flag_is_a_config_field() -> None:
     worker_fields = {f.name for f in fields(WorkerConfig)}
     assert {f.dest for f in SCHEDULER_FLAGS} <= scheduler_fields
     assert {f.dest for f in WORKER_FLAGS} <= worker_fields
+
+
+def test_only_a_worker_started_from_its_own_command_line_restarts_for_huge_pages(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import gpu_worker.host_memory
+    import gpu_worker.worker
+
+    restarts: list[None] = []
+    monkeypatch.setattr(gpu_worker.host_memory, "restart_with_huge_pages", lambda: restarts.append(None))
+    monkeypatch.setattr(gpu_worker.worker, "run_worker", lambda config: 0)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    worker = ["worker", "--model", str(model), "--scheduler-address", "ipc:///tmp/duoserve-cli-test.sock"]
+    # Called with an argv of its own (as a test or an embedding program would): restarting would run
+    # this process's own command line, not that argv.
+    with pytest.raises(SystemExit) as exit_code:
+        main(worker)
+    assert (exit_code.value.code, restarts) == (0, [])
+    # Its own command line: the worker starts again with huge pages (unless --no-huge-pages).
+    monkeypatch.setattr("sys.argv", ["duoserve", *worker])
+    with pytest.raises(SystemExit):
+        main()
+    assert restarts == [None]
+    monkeypatch.setattr("sys.argv", ["duoserve", *worker, "--no-huge-pages"])
+    with pytest.raises(SystemExit):
+        main()
+    assert restarts == [None]
