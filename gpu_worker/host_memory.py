@@ -91,6 +91,15 @@ def glibc_version() -> tuple[int, int] | None:
         return None
 
 
+def huge_page_tunable(environ: Mapping[str, str]) -> str | None:
+    """The value GLIBC_TUNABLES gives HUGE_PAGE_TUNABLE in `environ`, or None where it is unset."""
+    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name == HUGE_PAGE_TUNABLE:
+            return value
+    return None
+
+
 def huge_page_environment(
     environ: Mapping[str, str], thp_mode: str, libc: tuple[int, int] | None
 ) -> dict[str, str] | None:
@@ -99,11 +108,11 @@ def huge_page_environment(
     the tunable is already set (to any value: the user's choice stands), THP is not in `madvise`
     mode (`always` gives every region huge pages anyway, `never` none), or the C library is not a
     glibc that knows the tunable."""
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if any(item.split("=")[0] == HUGE_PAGE_TUNABLE for item in tunables.split(":")):
+    if huge_page_tunable(environ) is not None:
         return None
     if thp_mode != "madvise" or libc is None or libc < FIRST_GLIBC_WITH_IT:
         return None
+    tunables = environ.get("GLIBC_TUNABLES", "")
     added = f"{HUGE_PAGE_TUNABLE}=1"
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{added}" if tunables else added}
 
@@ -122,8 +131,7 @@ def huge_pages_in_effect() -> str:
     mode = transparent_huge_pages()
     if mode == "always":
         return "2 MiB pages where aligned (transparent huge pages: always)"
-    tunables = dict(item.partition("=")[::2] for item in os.environ.get("GLIBC_TUNABLES", "").split(":"))
-    value = tunables.get(HUGE_PAGE_TUNABLE)
+    value = huge_page_tunable(os.environ)
     if value is None:
         return f"4 KiB pages (transparent huge pages: {mode}; {HUGE_PAGE_TUNABLE} unset)"
     if value == "1" and mode == "madvise":
