@@ -191,9 +191,8 @@ def main() -> int:
     if args.huge_pages:
         restart_with_huge_pages()
     path = args.model or find_default_model()
-    print(
-        f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms; {huge_pages_in_effect()}"
-    )
+    host_memory = huge_pages_in_effect()
+    print(f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms; {host_memory}")
     steps = {
         "own linears + decode stack": model_steps(path, True, args.repeats),
         "oneDNN only": model_steps(path, False, args.repeats),
@@ -217,7 +216,7 @@ def main() -> int:
     if args.json:
         results = {
             "model": path.name,
-            "host_memory": huge_pages_in_effect(),
+            "host_memory": host_memory,
             "steps": steps,
             "prefill": prefill,
             "linears": layers,
