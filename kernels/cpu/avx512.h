@@ -88,8 +88,9 @@ static inline __m512 exp16_nonpositive(__m512 x)
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+    /* p * 2^n, exact (n >= -125 after the clamp, so the product is a normal number): one scalef in
+     * place of building 2^n's bits and multiplying, four instructions; the same bits. */
+    return _mm512_scalef_ps(p, n);
 }
 
 #endif
