@@ -13,8 +13,9 @@
  *
  * Two engines multiply, on the same packed layouts, to the same float32 sums of products:
  * - AMX tiles where the CPU has AMX-BF16 (and NO_AMX is not defined to 1). Tiles, all 16 rows x
- *   64 bytes: t0 scores, t1 the A operand (queries or probabilities), t2 the B operand (keys or
- *   values), t3.. the output's HEAD_DIM / 16 column blocks.
+ *   64 bytes. Scores: t1 (and t7 for head_dim 64) the queries, loaded once per work item, t0 and
+ *   t2 in turn a block of keys, t3 .. t6 four blocks' scores. Probabilities x values: t1 the
+ *   probabilities, t2 the values, t3.. the output's HEAD_DIM / 16 column blocks.
  * - AVX-512 BF16 dot products elsewhere: sixteen float32 accumulators, one per query row, each
  *   taking a broadcast pair of the row's bfloat16 elements against one packed row of pairs.
  * They may differ in the order they add products within a 16 x 16 block, so not bit for bit.
@@ -56,7 +57,7 @@ static void configure(void)
     tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < 3 + OTILES; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -135,17 +136,54 @@ static void transpose16(__m512i r[16])
 }
 
 #if USE_AMX
-/* scores [16][width] at this block's 16 columns = queries [16][D] x one packed block of 16 keys. */
-static void scores_block(const uint16_t *queries, const uint16_t *keys, float *scores, int64_t width)
+/* One packed block of 16 keys, its step s, into B tile `b`, and C tile `c` += the queries' A tile `a` times it. */
+#define SCORE_STEP(c, a, b, block, s)                          \
+    do {                                                       \
+        _tile_loadd(b, keys + (block) * DSTEPS * 512 + (s) * 512, 64); \
+        _tile_dpbf16ps(c, a, b);                               \
+    } while (0)
+
+/* scores [16][width], columns 0 .. 16 * blocks = queries [16][D] (rows q_bytes apart) x packed key
+ * blocks 0 .. blocks - 1. The queries' tiles (t1, and t7 for D 64) are loaded once; four blocks at
+ * a time accumulate in t3 .. t6, their keys loaded into t0 and t2 in turn, so that four products
+ * are in flight where one block's two depend on each other. */
+static void scores_rows(const uint16_t *queries, int64_t q_bytes, const uint16_t *keys, int64_t blocks, float *scores, int64_t width)
 {
-    _tile_zero(0);
-    for (int s = 0; s < DSTEPS; s++) {
-        _tile_loadd(1, queries + s * 32, D * 2);
-        _tile_loadd(2, keys + s * 512, 64);
-        _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, queries, q_bytes);
+#if DSTEPS > 1
+    _tile_loadd(7, queries + 32, q_bytes);
+#endif
+    int64_t jt = 0;
+    for (; jt + 4 <= blocks; jt += 4) {
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        SCORE_STEP(3, 1, 0, jt, 0);
+        SCORE_STEP(4, 1, 2, jt + 1, 0);
+        SCORE_STEP(5, 1, 0, jt + 2, 0);
+        SCORE_STEP(6, 1, 2, jt + 3, 0);
+#if DSTEPS > 1
+        SCORE_STEP(3, 7, 0, jt, 1);
+        SCORE_STEP(4, 7, 2, jt + 1, 1);
+        SCORE_STEP(5, 7, 0, jt + 2, 1);
+        SCORE_STEP(6, 7, 2, jt + 3, 1);
+#endif
+        _tile_stored(3, scores + jt * 16, width * 4);
+        _tile_stored(4, scores + (jt + 1) * 16, width * 4);
+        _tile_stored(5, scores + (jt + 2) * 16, width * 4);
+        _tile_stored(6, scores + (jt + 3) * 16, width * 4);
     }
-    _tile_stored(0, scores, width * 4);
+    for (; jt < blocks; jt++) {
+        _tile_zero(3);
+        SCORE_STEP(3, 1, 0, jt, 0);
+#if DSTEPS > 1
+        SCORE_STEP(3, 7, 2, jt, 1);
+#endif
+        _tile_stored(3, scores + jt * 16, width * 4);
+    }
 }
+#undef SCORE_STEP
 
 /* outputs [16][D] = probs [16][chunks * 32] (rows `width` apart) x the packed values. */
 static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t chunks, int64_t width, float *outputs)
@@ -189,6 +227,14 @@ static void scores_block(const uint16_t *queries, const uint16_t *keys, float *s
             for (int r = 0; r < 16; r++) acc[r] = _mm512_dpbf16_ps(acc[r], broadcast_pair_bf16(queries + r * D + s * 32 + 2 * p), column_pairs);
         }
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + r * width, acc[r]);
+}
+
+/* As the tile version: every block's scores, the queries' rows q_bytes apart. */
+static void scores_rows(const uint16_t *queries, int64_t q_bytes, const uint16_t *keys, int64_t blocks, float *scores, int64_t width)
+{
+    uint16_t rows[16 * D];
+    for (int r = 0; r < 16; r++) memcpy(rows + r * D, (const char *)queries + r * q_bytes, D * 2);
+    for (int64_t jt = 0; jt < blocks; jt++) scores_block(rows, keys + jt * DSTEPS * 512, scores + jt * 16, width);
 }
 
 static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t chunks, int64_t width, float *outputs)
@@ -337,12 +383,19 @@ int duoserve_prefill_attention(const uint16_t *q, int64_t q_stride, const uint16
             const uint16_t *keys = packed + offset + g * packed_size(prefix + len);
             const uint16_t *values = keys + round_up(prefix + len, 16) * D;
 
-            for (int64_t r = 0; r < 16; r++) {
-                if (r < rows) memcpy(queries + r * D, q + (starts[p] + i0 + r) * q_stride + h * D, D * 2);
-                else memset(queries + r * D, 0, D * 2);
+            /* Scores against key blocks 0 .. last / 16: a whole block of query rows read in place,
+             * a chunk's last rows (fewer than 16) copied out first, zeros after them. */
+            const uint16_t *rows_of_q = q + (starts[p] + i0) * q_stride + h * D;
+            int64_t q_bytes = q_stride * 2;
+            if (rows < 16) {
+                for (int64_t r = 0; r < 16; r++) {
+                    if (r < rows) memcpy(queries + r * D, rows_of_q + r * q_stride, D * 2);
+                    else memset(queries + r * D, 0, D * 2);
+                }
+                rows_of_q = queries;
+                q_bytes = D * 2;
             }
-            /* Scores against key blocks 0 .. last / 16. */
-            for (int64_t jt = 0; jt <= last / 16; jt++) scores_block(queries, keys + jt * DSTEPS * 512, scores + jt * 16, width);
+            scores_rows(rows_of_q, q_bytes, keys, last / 16 + 1, scores, width);
             /* Softmax of row r over keys 0 .. prefix + i0 + r; zeros beyond, up to the last 32-key chunk. */
             const int64_t chunks = last / 32 + 1;
             float sums[16];
