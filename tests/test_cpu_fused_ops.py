@@ -104,6 +104,29 @@ def test_write_kv_stores_rows_at_their_slots_and_skips_negative_ones(dtype: torc
         ops_for(dtype).write_kv(k, v, ours_k, ours_v, torch.tensor([0, 1, 2, 3, 24]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_of_a_prompt_shared_out_over_threads(dtype: torch.dtype) -> None:
+    """300 tokens (a prompt-sized write, which the threads share) into scattered slots, some skipped."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, dim, block, blocks = 300, 3, 16, 16, 40
+    qkv = torch.randn(tokens, 3 * heads * dim, generator=gen).to(dtype)
+    k = qkv[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    v = qkv[:, 2 * heads * dim :].view(tokens, heads, dim)
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    slots[::7] = -1
+    ours_k, ours_v = (torch.zeros(blocks, block, heads, dim, dtype=dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ops_for(dtype).write_kv(k, v, ours_k, ours_v, slots)
+    finally:
+        torch.set_num_threads(threads)
+    keep = slots >= 0
+    expected_k, expected_v = torch.zeros_like(ours_k), torch.zeros_like(ours_v)
+    write_kv(expected_k, expected_v, k[keep], v[keep], slots[keep])
+    assert torch.equal(ours_k, expected_k) and torch.equal(ours_v, expected_v)
+
+
 def _argmax_cases(rows: int, cols: int) -> list[torch.Tensor]:
     """Rows of plain values, of many ties, with NaNs, and of signed zeros (a -0 first)."""
     gen = torch.Generator().manual_seed(rows * 1000 + cols)

@@ -126,7 +126,7 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
                                HEAD_DIM, BLOCK, num_threads);
 #else
         duoserve_write_kv(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, layer->k_cache, layer->v_cache,
-                          step->slots, rows, kv_size);
+                          step->slots, rows, kv_size, num_threads);
 #endif
         for (int64_t r = 0; r < rows; r++) memcpy(q + r * q_size, qkv + r * qkv_size, q_size * sizeof(elem_t));
         duoserve_paged_decode_attention(q, layer->k_cache, layer->v_cache, layer->k_scale, layer->v_scale,

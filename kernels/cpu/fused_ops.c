@@ -166,10 +166,14 @@ void duoserve_rotary(elem_t *q, int64_t q_stride, int64_t q_heads, elem_t *k, in
     }
 }
 
-/* Copy each token's K and V rows (row elements, rows k_stride / v_stride apart) to their cache slot. */
+/* Copy each token's K and V rows (row elements, rows k_stride / v_stride apart) to their cache slot.
+ * Prompt-sized writes are shared out over the threads: a thread's stores into cache lines that
+ * are not in its caches wait on memory, so one thread took 0.25-0.28 ms a layer for 2048 tokens
+ * of SmolLM2 (1.5 MB). */
 void duoserve_write_kv(const elem_t *k, int64_t k_stride, const elem_t *v, int64_t v_stride, elem_t *k_cache,
-                       elem_t *v_cache, const int64_t *slots, int64_t tokens, int64_t row)
+                       elem_t *v_cache, const int64_t *slots, int64_t tokens, int64_t row, int num_threads)
 {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 128)
     for (int64_t t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
         memcpy(k_cache + slots[t] * row, k + t * k_stride, (size_t)row * sizeof(elem_t));
