@@ -33,7 +33,7 @@ import torch
 
 from gpu_worker.attention import CpuPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
-from gpu_worker.host_memory import huge_pages_in_effect, restart_with_huge_pages
+from gpu_worker.host_memory import huge_pages_in_effect, keep_freed_memory, restart_with_huge_pages
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import PACKING_BATCH_HINT, onednn_post_ops_available, pair_kernel
 from gpu_worker.loader import load_model
@@ -190,6 +190,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.huge_pages:
         restart_with_huge_pages()
+    keep_freed_memory()  # as the worker does at start: a step's buffers are not faulted in again
     path = args.model or find_default_model()
     host_memory = huge_pages_in_effect()
     print(f"# {path.name}, bfloat16, {torch.get_num_threads()} threads; medians in ms; {host_memory}")
