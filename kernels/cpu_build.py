@@ -129,15 +129,20 @@ BF16_DOT = "avx512_bf16"  # AVX-512 BF16 dot products
 
 
 def load_engine(
-    source_name: str, defines: dict[str, int], uses_amx: str, allow_amx: bool = True
+    source_name: str,
+    defines: dict[str, int],
+    uses_amx: str,
+    allow_amx: bool = True,
+    sources: Path = SOURCES,
 ) -> tuple[ctypes.CDLL, str]:
     """The library of a two-engine kernel, and its engine: AMX where the CPU has it, `allow_amx`
     and Linux grants this process the tile state, else AVX-512 BF16 dot products (the source's
-    -DNO_AMX=1 build). `uses_amx` names the library's function that says which it was built for."""
+    -DNO_AMX=1 build). `uses_amx` names the library's function that says which it was built for.
+    `sources`: as build's."""
     if not cpu_has("avx512_bf16") and not cpu_has("amx_bf16"):
         raise KernelBuildError(f"{source_name} needs AMX-BF16 or AVX-512 BF16, and this CPU has neither")
-    library = load(build(source_name, {**defines, "NO_AMX": int(not allow_amx)}))
+    library = load(build(source_name, {**defines, "NO_AMX": int(not allow_amx)}, sources))
     if getattr(library, uses_amx)() and library.duoserve_amx_init() != 0:
         # AMX is there but Linux did not grant the tile state: the other engine runs.
-        library = load(build(source_name, {**defines, "NO_AMX": 1}))
+        library = load(build(source_name, {**defines, "NO_AMX": 1}, sources))
     return library, AMX if getattr(library, uses_amx)() else BF16_DOT

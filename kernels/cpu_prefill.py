@@ -21,18 +21,19 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernels._launch import require
-from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
+from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load, load_engine
 
 HEAD_DIMS = {torch.bfloat16: (32, 64), torch.float32: (32, 64, 128)}
 AVX2_FMA = "avx2_fma"  # the float32 kernel's engine
 
 _lock = threading.Lock()
-_functions: dict[tuple[int, bool, torch.dtype], tuple[Callable[..., int], str]] = {}
+_functions: dict[tuple[int, bool, torch.dtype, Path], tuple[Callable[..., int], str]] = {}
 
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -206,11 +207,12 @@ class CpuPrefillAttention:
 
 
 def load_prefill_attention(
-    head_dim: int, allow_amx: bool = True, dtype: torch.dtype = torch.bfloat16
+    head_dim: int, allow_amx: bool = True, dtype: torch.dtype = torch.bfloat16, sources: Path = SOURCES
 ) -> CpuPrefillAttention:
     """Build (or find in the cache) and load the kernel for head_dim and dtype. bfloat16: on AMX
     tiles where they run (and `allow_amx`), else on AVX-512 BF16; float32: on AVX2 and FMA.
-    KernelBuildError where the CPU cannot run it."""
+    KernelBuildError where the CPU cannot run it. `sources`: the kernel sources' folder (another
+    revision's, for a benchmark's A/B)."""
     if dtype not in HEAD_DIMS:
         raise KernelBuildError(f"the CPU prefill attention takes bfloat16 or float32, not {dtype}")
     if head_dim not in HEAD_DIMS[dtype]:
@@ -220,16 +222,18 @@ def load_prefill_attention(
     if dtype == torch.float32 and not (cpu_has("avx2") and cpu_has("fma")):
         raise KernelBuildError("the float32 prefill attention needs AVX2 and FMA")
     with _lock:
-        key = (head_dim, allow_amx and dtype == torch.bfloat16, dtype)  # AMX is a bfloat16 engine
+        key = (head_dim, allow_amx and dtype == torch.bfloat16, dtype, sources)  # AMX is a bfloat16 engine
         if key not in _functions:
             if dtype == torch.float32:
-                library, engine = load(build("prefill_attention_f32.c", {"HEAD_DIM": head_dim})), AVX2_FMA
+                library = load(build("prefill_attention_f32.c", {"HEAD_DIM": head_dim}, sources))
+                engine = AVX2_FMA
             else:
                 library, engine = load_engine(
                     "prefill_attention.c",
                     {"HEAD_DIM": head_dim},
                     "duoserve_prefill_attention_uses_amx",
                     allow_amx,
+                    sources,
                 )
             loaded = library.duoserve_prefill_attention
             loaded.restype = ctypes.c_int
