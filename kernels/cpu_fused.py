@@ -31,7 +31,7 @@ _SIGNATURES = {
     "duoserve_rms_norm": [_P, _P, _P, _I, _I, _F, _INT],
     "duoserve_silu_and_mul": [_P, _P, _I, _I, _INT],
     "duoserve_rotary": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _INT],  # cos, sin tables
-    "duoserve_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int],
+    "duoserve_write_kv": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _INT],
     "duoserve_write_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _INT],
     "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],

@@ -217,14 +217,17 @@ static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t 
 }
 #else
 /* As the tile version: acc[r] += (row r's pair p) . (packed row p: 16 columns' pairs), for each p. */
-static void scores_block(const uint16_t *queries, const uint16_t *keys, float *scores, int64_t width)
+static void scores_block(const uint16_t *queries, int64_t q_bytes, const uint16_t *keys, float *scores, int64_t width)
 {
     __m512 acc[16];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     for (int s = 0; s < DSTEPS; s++)
         for (int p = 0; p < 16; p++) {
             const __m512bh column_pairs = (__m512bh)_mm512_loadu_si512(keys + s * 512 + p * 32);
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_dpbf16_ps(acc[r], broadcast_pair_bf16(queries + r * D + s * 32 + 2 * p), column_pairs);
+            for (int r = 0; r < 16; r++) {
+                const uint16_t *row = (const uint16_t *)((const char *)queries + r * q_bytes);
+                acc[r] = _mm512_dpbf16_ps(acc[r], broadcast_pair_bf16(row + s * 32 + 2 * p), column_pairs);
+            }
         }
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(scores + r * width, acc[r]);
 }
@@ -232,9 +235,7 @@ static void scores_block(const uint16_t *queries, const uint16_t *keys, float *s
 /* As the tile version: every block's scores, the queries' rows q_bytes apart. */
 static void scores_rows(const uint16_t *queries, int64_t q_bytes, const uint16_t *keys, int64_t blocks, float *scores, int64_t width)
 {
-    uint16_t rows[16 * D];
-    for (int r = 0; r < 16; r++) memcpy(rows + r * D, (const char *)queries + r * q_bytes, D * 2);
-    for (int64_t jt = 0; jt < blocks; jt++) scores_block(rows, keys + jt * DSTEPS * 512, scores + jt * 16, width);
+    for (int64_t jt = 0; jt < blocks; jt++) scores_block(queries, q_bytes, keys + jt * DSTEPS * 512, scores + jt * 16, width);
 }
 
 static void weigh_values(const uint16_t *probs, const uint16_t *values, int64_t chunks, int64_t width, float *outputs)
