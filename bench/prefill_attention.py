@@ -84,13 +84,13 @@ def layer_attention(
             "torch": partial(torch_path._prefills, q, k, v, k_cache, v_cache, batch.prefills, theirs),
             "kernel": partial(kernel, q, k, v, plan, ours, (k_cache, v_cache)),
         }
-        same_as_rev = None
+        difference_from_rev = None
         if other is not None:
             at_rev = torch.empty_like(ours)
             calls["at rev"] = partial(other, q, k, v, plan, at_rev, (k_cache, v_cache))
             kernel(q, k, v, plan, ours, (k_cache, v_cache))
             other(q, k, v, plan, at_rev, (k_cache, v_cache))
-            same_as_rev = (ours.float() - at_rev.float()).abs().max().item()
+            difference_from_rev = (ours.float() - at_rev.float()).abs().max().item()
         times: dict[str, list[float]] = {label: [] for label in calls}
         for _ in range(rounds):
             for label, call in calls.items():
@@ -106,9 +106,9 @@ def layer_attention(
             "speedup": best["torch"] / best["kernel"],
             "max_abs_diff": (ours.float() - theirs.float()).abs().max().item(),
         }
-        if same_as_rev is not None:
+        if difference_from_rev is not None:
             out[name]["rev_over_kernel"] = best["at rev"] / best["kernel"]
-            out[name]["max_abs_diff_rev"] = same_as_rev
+            out[name]["max_abs_diff_rev"] = difference_from_rev
     return out
 
 
