@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from decode_attention import make_case  # bench/, beside this script
 
-from kernels.cpu_build import build, load
+from kernels.cpu_build import SOURCES, build, load
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,11 +49,22 @@ def sources_at(rev: str, into: Path) -> Path:
     return into / "kernels" / "cpu"
 
 
-def bind(path: Path) -> Callable[..., None]:
+def bind(path: Path, sources: Path) -> Callable[..., None]:
+    """The kernel's entry point as (q, k_cache, v_cache, tables, lens, out, num_seqs, kv_heads,
+    max_blocks, scale, threads). From 4dcfc9c on it also takes the int8 cache's two scale
+    pointers after v_cache: they are passed as NULL."""
     function = load(path).duoserve_paged_decode_attention
     function.restype = None
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
-    return function
+    with_scales = "const float *k_scale" in (sources / "paged_decode_attention.c").read_text()
+    pointers = 8 if with_scales else 6
+    function.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int]
+    if not with_scales:
+        return function
+
+    def with_null_scales(q: int, k: int, v: int, *rest: object) -> None:
+        function(q, k, v, None, None, *rest)
+
+    return with_null_scales
 
 
 def step(
@@ -97,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     defines = {"HEAD_DIM": 64, "GROUP": 3, "BLOCK": 16, "ELEM_BF16": int(dtype == torch.bfloat16)}
-    ours = bind(build("paged_decode_attention.c", defines))
+    ours = bind(build("paged_decode_attention.c", defines), SOURCES)
     with tempfile.TemporaryDirectory() as scratch:
-        theirs = bind(build("paged_decode_attention.c", defines, sources=sources_at(args.rev, Path(scratch))))
+        sources = sources_at(args.rev, Path(scratch))
+        theirs = bind(build("paged_decode_attention.c", defines, sources=sources), sources)
     print(f"# CPU decode attention, {args.dtype}, {LAYERS} layers' caches: {args.rev} against this checkout")
     print(f"  {'seqs':>5} {'context':>8} {args.rev + ' ms':>14} {'here ms':>9} {'speed-up':>9}")
     rows = []
