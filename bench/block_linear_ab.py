@@ -50,8 +50,10 @@ def main() -> int:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=40, help="at least 2 (the IQR needs two)")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats: at least 2, for the interquartile range")
     torch.set_num_threads(2)
     dtype = getattr(torch, args.dtype)
     path = find_default_model()
