@@ -130,7 +130,8 @@ def bench_prefix(args: argparse.Namespace, tokenizer: Any, log_dir: Path) -> dic
     print(HEADER)
     for label, flags in (("prefix cache on", ()), ("prefix cache off", ("--no-prefix-cache",))):
         config = ServerConfig(label=label, dtype=args.dtype, flags=tuple(flags))
-        with launched_server(config, args, log_dir) as (target, metrics_url):
+        with launched_server(config, args, log_dir) as server:
+            target, metrics_url = server.target, server.metrics_url
             _warm_up(target, unrelated)  # never the shared prefix: the cache starts cold
             before = worker_seconds(metrics_url)
             stats = _stats(asyncio.run(_run(target, jobs)))
@@ -184,7 +185,8 @@ def _qos_one_server(
 ) -> dict[str, Any]:
     (batch, batch_out), (interactive, int_out, arrivals) = batch_load, interactive_load
     figures: dict[str, Any] = {}
-    with launched_server(config, args, log_dir) as (target, metrics_url):
+    with launched_server(config, args, log_dir) as server:
+        target, metrics_url = server.target, server.metrics_url
         _warm_up(target, interactive[0])
         idle = []
         for prompt in interactive:  # one at a time: TTFT on an idle server
