@@ -32,11 +32,13 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
+	cd bench && $(abspath $(VENV))/bin/mypy --config-file ../pyproject.toml --explicit-package-bases *.py
 	$(PY) -m pytest -q -ra -m "not gpu"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
+	cd bench && $(abspath $(VENV))/bin/mypy --config-file ../pyproject.toml --explicit-package-bases *.py
 
 protos: $(STAMP)
 	$(PY) -m protos.generate

@@ -27,6 +27,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,6 +46,12 @@ from scheduler.model_files import find_default_model
 
 CONTEXT = 320
 BLOCK = 16
+
+
+def _each(linear: Callable[..., torch.Tensor], weights: list[torch.Tensor], *rest: object) -> None:
+    """`linear`(w, *rest) for each weight in turn."""
+    for w in weights:
+        linear(w, *rest)
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -81,7 +88,7 @@ def model_steps(path: Path, own_linears: bool, repeats: int, kv_int8: bool = Fal
             for s in range(seqs)
         ]
         batch = build_forward_batch(chunks, BLOCK, cpu)
-        out[f"decode {seqs}"] = median_ms(lambda batch=batch: model(batch, kv), repeats)
+        out[f"decode {seqs}"] = median_ms(partial(model, batch, kv), repeats)
     prompts = [
         ScheduledChunk(list(range(5, 5 + 256)), 0, [b * 64 + s for b in range(16)], True) for s in range(8)
     ]
@@ -140,7 +147,7 @@ def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]
                 for layer in model.layers:
                     assert isinstance(layer, DecoderLayer)
                     layer.gate_up.post_ops = post_ops and onednn_post_ops_available(torch.bfloat16)
-                out[name][label].append(median_ms(lambda batch=batch: model(batch, kv), max(3, repeats // 4)))
+                out[name][label].append(median_ms(partial(model, batch, kv), max(3, repeats // 4)))
     return out
 
 
@@ -163,13 +170,11 @@ def linears(path: Path, repeats: int) -> dict[str, dict[str, float]]:
             x = torch.randn(rows, in_features).bfloat16()
             packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACKING_BATCH_HINT) for w in plain]
             totals["oneDNN"] += median_ms(
-                lambda x=x, packed=packed: [onednn(x, w, None, "none", [], "") for w in packed], repeats
+                partial(_each, partial(onednn, x), packed, None, "none", [], ""), repeats
             )
             if pair is not None:
                 pairs = [cpu_pair_linear.pack(w) for w in plain]
-                totals[label] += median_ms(
-                    lambda x=x, pairs=pairs, pair=pair: [pair(x, w) for w in pairs], repeats
-                )
+                totals[label] += median_ms(partial(_each, partial(pair, x), pairs), repeats)
         results[f"{rows} rows"] = totals if pair is not None else {"oneDNN": totals["oneDNN"]}
     return results
 

@@ -315,7 +315,7 @@ def cuda_int8_cache(
     print(
         f"  {'seqs':>5} {'context':>8} {'dense ms':>9} {'int8 ms':>9} {'speedup':>8} {'GB/s':>8} {'of peak':>8}"
     )
-    rows = []
+    rows: list[dict[str, object]] = []
     for (num_seqs, context), dense in zip(CASES, dense_rows, strict=True):
         case = make_case(num_seqs, context, dtype, device)
         k_cache, v_cache = quantize_cache(case["k_cache"]), quantize_cache(case["v_cache"])
@@ -330,7 +330,12 @@ def cuda_int8_cache(
 
         int8_ms = graph_ms(run)[0]
         gbs = 2 * num_seqs * context * 3 * (64 + 4) / (int8_ms / 1e3) / 1e9
-        row = {"seqs": num_seqs, "context": context, "dense_ms": dense["kernel_graph_ms"], "int8_ms": int8_ms}
+        row: dict[str, object] = {
+            "seqs": num_seqs,
+            "context": context,
+            "dense_ms": dense["kernel_graph_ms"],
+            "int8_ms": int8_ms,
+        }
         rows.append(row)
         print(
             f"  {num_seqs:>5} {context:>8} {dense['kernel_graph_ms']:>9.3f} {int8_ms:>9.3f} "
@@ -418,7 +423,7 @@ def cpu_model_steps(rounds: int) -> list[dict[str, object]]:
             )
     print(f"\n# {path.name}, float32, one decode step at {context} tokens of context, ms, best of {rounds}")
     print(f"  {'seqs':>5} " + " ".join(f"{VECTOR_PATHS[b]:>9}" for b in paths))
-    rows = []
+    rows: list[dict[str, object]] = []
     for num_seqs in (1, 64):
         per = context // block
         kv = allocate_kv_cache(config, num_seqs * per, block, torch.float32, cpu)

@@ -39,7 +39,7 @@ def main() -> int:
         num_attention_heads=9,
         num_key_value_heads=3,
         tie_word_embeddings=True,
-        rope_theta=100000.0,
+        rope_theta=100000.0,  # type: ignore[call-arg]  # transformers 5 takes it into rope_parameters
         max_position_embeddings=8192,
     )
     folder = tempfile.mkdtemp()

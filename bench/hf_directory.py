@@ -33,7 +33,7 @@ def main() -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     # Loaded from GGUF, transformers marks the model quantized and refuses to save it; its weights
     # are plain tensors of `dtype` by now.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as always set
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(args.out)

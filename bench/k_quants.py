@@ -158,6 +158,11 @@ def _q45_k(blocks: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(parts, axis=1)
 
 
+def _bits_together(parts: list[np.ndarray]) -> np.ndarray:
+    """Arrays of the same shape whose set bits do not overlap, in one (their bitwise or)."""
+    return np.bitwise_or.reduce(np.stack(parts), axis=0)
+
+
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
     groups = blocks.reshape(-1, 16, 16)
     scale = np.abs(groups).max(axis=2) / 31.0  # q - 32 in -32..31
@@ -169,7 +174,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     ql = np.concatenate(
         [(q[:, :, t] & 0x0F) | ((q[:, :, t + 2] & 0x0F) << 4) for t in (0, 1)], axis=2
     ).reshape(-1, 128)  # half h: ql[64h + 32 * (t % 2) + j], the low nibble for t < 2
-    qh = sum((q[:, :, t] >> 4) << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
+    qh = _bits_together([(q[:, :, t] >> 4) << (2 * t) for t in range(4)]).astype(np.uint8).reshape(-1, 64)
     return np.concatenate([ql, qh, scale_q.astype(np.int8).view(np.uint8), d_bytes], axis=1)
 
 
@@ -193,7 +198,7 @@ def _two_bit_planes(q: np.ndarray) -> np.ndarray:
     """Two-bit values [blocks, 8 groups, 32] packed as Q2_K/Q3_K store them: group 4h + t in bits
     2t of byte 32h + j, [blocks, 64]."""
     q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
-    return sum(q[:, :, t] << (2 * t) for t in range(4)).astype(np.uint8).reshape(-1, 64)
+    return _bits_together([q[:, :, t] << (2 * t) for t in range(4)]).astype(np.uint8).reshape(-1, 64)
 
 
 def _q2_k(blocks: np.ndarray) -> np.ndarray:
@@ -248,7 +253,7 @@ def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
     quants = _nl_quants(groups, (d[:, None] * scale_q)[:, :, None]).reshape(-1, 128)
     v = (scale_q + 32).astype(np.uint16)  # 6 bits each: low nibbles in scales_l, top bits in scales_h
     low = (v[:, 0::2] & 0x0F) | ((v[:, 1::2] & 0x0F) << 4)
-    high = sum(((v[:, g] >> 4) & 3) << (2 * g) for g in range(8)).astype("<u2")
+    high = _bits_together([((v[:, g] >> 4) & 3) << (2 * g) for g in range(8)]).astype("<u2")
     return np.concatenate([d_bytes, high.reshape(-1, 1).view(np.uint8), low.astype(np.uint8), quants], axis=1)
 
 
@@ -353,7 +358,7 @@ IQ1_SPREAD = 1.2
 IQ1_DELTA = 0.125
 
 
-def _iq1_rows(scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _iq1_rows(scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row of 8 `scaled` weights [m, 8]'s nearest grid row with the delta +1/8, and with -1/8:
     the rows [2, m] and their squared errors [2, m]."""
     grid = codebook_tables().iq1.astype(np.float32) / 8  # 2048 rows of -1, 0 and 1

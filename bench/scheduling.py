@@ -66,7 +66,7 @@ async def _send(
         result.error = f"{err.code.name}: {err.details}"
 
 
-async def _run(target: str, jobs: list[tuple[Sequence[int], int, float, str]]) -> list[RequestResult]:
+async def _run(target: str, jobs: Sequence[tuple[Sequence[int], int, float, str]]) -> list[RequestResult]:
     """Send (prompt, output_len, delay_s, priority) jobs over one channel; timings per job."""
     results = [RequestResult(i, len(p)) for i, (p, *_rest) in enumerate(jobs)]
     async with AsyncClient(target, retries=0, timeout=1800) as client:
@@ -82,9 +82,9 @@ async def _run(target: str, jobs: list[tuple[Sequence[int], int, float, str]]) -
 
 def _stats(results: list[RequestResult]) -> dict[str, Any]:
     done = [r for r in results if r.error is None and r.first_token is not None and r.last_token is not None]
-    ttft = [r.first_token - r.sent for r in done]  # type: ignore[operator]
+    ttft = [r.first_token - r.sent for r in done if r.first_token is not None]
     start = min((r.sent for r in results), default=0.0)
-    wall = max((r.last_token for r in done), default=start) - start  # type: ignore[type-var]
+    wall = max((r.last_token for r in done if r.last_token is not None), default=start) - start
     tokens = sum(len(r.token_ids) for r in done)
     errors = [r.error for r in results if r.error]
     return {

@@ -199,11 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         children = psutil.Process(server.pid).children(recursive=True)
         server.send_signal(signal.SIGTERM)
-        code = server.wait(120)
+        status = server.wait(120)
         time.sleep(1)
         left = [p.pid for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if code != 0:
-            failures.append(f"duoserve serve exited with {code}")
+        if status != 0:
+            failures.append(f"duoserve serve exited with {status}")
         if left:
             failures.append(f"processes left behind: {left}")
     report.update({"outcomes": dict(outcomes), "failures": failures})

@@ -84,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if len(tokens) >= 8 and not killed:
                         worker.send_signal(signal.SIGKILL)
                         killed, killed_wall = time.monotonic(), time.time()
-                log = log_path.read_text()
-                noticed = log_time(log, r"the worker was lost", killed_wall) - killed_wall
-                ready = log_time(log, r"replacement worker ready", killed_wall) - killed_wall
+                log_text = log_path.read_text()
+                noticed = log_time(log_text, r"the worker was lost", killed_wall) - killed_wall
+                ready = log_time(log_text, r"replacement worker ready", killed_wall) - killed_wall
                 rows.append(
                     {"noticed_s": noticed, "ready_s": ready, "resumed_s": resumed, "same": tokens == solo}
                 )
