@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -9,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from duoserve_client import Client
-from duoserve_client.errors import DeadlineExceededError, ResourceExhaustedError
+from duoserve_client import AsyncClient, Client
+from duoserve_client.errors import DeadlineExceededError, DuoserveError, ResourceExhaustedError
 from tests.e2e.harness import PROMPTS, ServerProcess, chat, metrics, start_server
 
 pytestmark = pytest.mark.slow
@@ -164,6 +165,33 @@ def test_overload_is_refused_at_once_and_the_admitted_load_completes(
     assert all("--max-queued-requests" in err.details for err in refused)
     for prompt, completion in served:
         assert (completion.text, completion.token_ids) == reference[prompt], prompt  # type: ignore[attr-defined]
+
+
+def test_a_burst_of_thousands_of_streams_is_served_or_refused_by_the_admission(
+    two_slot_server: ServerProcess,
+) -> None:
+    # Past 1000 calls waiting to be taken up, gRPC's core would end a share of them CANCELLED
+    # before the scheduler saw them (scheduler/server.py, call_backlog_options).
+    async def one(client: AsyncClient, index: int) -> str:
+        try:
+            stream = client.stream(prompt_token_ids=[17 + index % 50] * 8, max_tokens=1)
+            async for _ in stream:
+                pass
+        except ResourceExhaustedError as err:
+            assert "--max-queued-requests" in err.details, err
+            return "refused"
+        except DuoserveError as err:
+            return err.code.name
+        return "served"
+
+    async def burst() -> list[str]:
+        async with AsyncClient(two_slot_server.target, retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(3000)))
+
+    outcomes = asyncio.run(burst())
+    assert set(outcomes) <= {"served", "refused"}, sorted(set(outcomes))
+    assert outcomes.count("served") >= 8
+    assert metrics(two_slot_server)['duoserve_kv_cache_blocks{state="used"}'] == 0
 
 
 def test_queued_prompt_tokens_beyond_the_limit_are_refused(two_slot_server: ServerProcess) -> None:
