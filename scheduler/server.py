@@ -32,15 +32,15 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
-# gRPC's core holds the calls that have arrived but that the server has not taken up yet, and past
-# 1000 of them (its default) it refuses a share of new ones, more the longer the backlog, all of
-# them past 3000, and ends them CANCELLED: to a client, a status that says it gave up itself. A
-# burst of 4096 streams on one channel lost 1154 of them so; the rest were answered
-# RESOURCE_EXHAUSTED by the scheduler's own admission, which names the limit and which clients
-# retry. So the backlog may hold a burst of several times --max-queued-requests (at least 8192
-# calls): every call of it reaches the admission, which bounds what is admitted. A call still
-# untaken after 30 s is ended by gRPC all the same; that happens only while the event loop is
-# saturated (bench/serving_ceiling.py's instant worker with thousands of streams).
+# gRPC's core holds the calls that have arrived but that the server has not taken up yet, and
+# past 1000 of them (its default) it refuses a share of new ones, more the longer the backlog,
+# all of them past 3000, and ends them CANCELLED: to a client, a status that says it gave up
+# itself. A burst of 4096 streams on one channel lost 1154 of them so; the rest were answered
+# RESOURCE_EXHAUSTED by the scheduler's own admission, which names the limit and asks the client
+# to retry later. So the backlog may hold several times --max-queued-requests (at least 8192
+# calls): every call of a burst reaches the admission, which bounds what is admitted. A call
+# still untaken after 30 s is ended by gRPC all the same; that happens only while the event loop
+# is saturated (bench/serving_ceiling.py's instant worker with thousands of streams).
 BACKLOG_PER_QUEUED_REQUEST = 4
 MIN_BACKLOG = 8192
 
