@@ -4,6 +4,7 @@
     python bench/serving.py --quick --transformers           # smoke run
     python bench/serving.py --server localhost:50051 --rate 4  # a running server, Poisson 4 req/s
     python bench/serving.py --rounds 6 --workloads random --configs dtype=bfloat16 dtype=bfloat16,no-sbo
+    python bench/serving.py --unary --transformers   # offline also through unary Generate calls
 
 Each server configuration is launched in turn (``duoserve serve`` from this venv), run
 against the same seeded prompts (sent as token ids, greedy, ignore_eos), and stopped;
@@ -12,7 +13,10 @@ finds its prompts in the prefix cache an earlier one filled;
 transformers then runs the same token ids in static left-padded batches. With ``--rounds N``
 the servers run side by side (only one is sent requests at a time) and take turns, so drift in
 the machine's speed falls on both configs of a round alike. Throughput is
-output tokens / wall time from the first request sent to the last token received.
+output tokens / wall time from the first request sent to the last token received. Requests
+stream (a message a token), except in the ``offline-unary`` run that ``--unary`` adds: one
+response a request, as a client that does not stream gets them, with no per-token messages to
+send and read (and so no TTFT or TPOT).
 Greedy outputs are compared with transformers' of the same dtype; where one differs, the
 first differing token is weighed in transformers' logits (``divergence_gaps``): a gap of a
 rounding step or two is a near-tie, not an error.
@@ -57,6 +61,9 @@ from workloads import (
 from duoserve_client import AsyncClient, Client, DuoserveError
 from kernels.cpu_build import cpu_has
 
+# The mode of an offline run through unary Generate calls (--unary).
+UNARY_MODE = "offline-unary"
+
 QUICK = {"num_requests": 8, "input_len": 64, "output_len": 16, "hf_batch": 8}
 FULL = {"num_requests": 64, "input_len": 256, "output_len": 128, "hf_batch": 64}
 
@@ -100,6 +107,7 @@ class RequestResult:
     token_ids: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0  # of the prompt, found in the server's prefix cache
     error: str | None = None
+    streamed: bool = True  # False: one unary response, so no first_token (TTFT and TPOT unmeasured)
 
 
 @dataclass(slots=True)
@@ -145,18 +153,20 @@ def summarize(
     engine: str, config: str, dtype: str, spec: WorkloadSpec, mode: str, results: list[RequestResult]
 ) -> RunSummary:
     """Throughput and latency percentiles of a finished duoserve run."""
-    # (sent, first token, last token, tokens, prompt tokens) of every request that produced output
+    # (sent, first token or None, last token, tokens, prompt tokens) of every request that produced
+    # output; a unary request's tokens all arrive at its last, and it has no first
     done = [
         (r.sent, r.first_token, r.last_token, len(r.token_ids), r.input_len)
         for r in results
-        if r.error is None and r.first_token is not None and r.last_token is not None
-    ]
+        if r.error is None and r.token_ids and r.last_token is not None
+        and (r.first_token is not None or not r.streamed)
+    ]  # fmt: skip
     start = min((r.sent for r in results), default=0.0)
     wall = max((last for _, _, last, _, _ in done), default=start) - start
     output_tokens = sum(n for *_, n, _ in done)
     input_tokens = sum(p for *_, p in done)
-    ttft = [first - sent for sent, first, *_ in done]
-    tpot = [(last - first) / (n - 1) for _, first, last, n, _ in done if n > 1]
+    ttft = [first - sent for sent, first, *_ in done if first is not None]
+    tpot = [(last - first) / (n - 1) for _, first, last, n, _ in done if first is not None and n > 1]
     e2e = [last - sent for sent, _, last, *_ in done]
     errors = [r.error for r in results if r.error is not None]
     return RunSummary(
@@ -188,11 +198,23 @@ def summarize(
 
 
 async def _one_request(
-    client: AsyncClient, request: BenchRequest, start: float, result: RequestResult
+    client: AsyncClient, request: BenchRequest, start: float, result: RequestResult, stream: bool
 ) -> None:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     result.sent = time.perf_counter()
+    result.streamed = stream
     try:
+        if not stream:
+            completion = await client.generate(
+                prompt_token_ids=request.prompt_token_ids,
+                max_tokens=request.output_len,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            result.last_token = time.perf_counter()
+            result.token_ids = list(completion.token_ids)
+            result.cached_prompt_tokens = completion.usage.cached_prompt_tokens
+            return
         chunks = client.stream(
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=request.output_len,
@@ -213,13 +235,16 @@ async def _one_request(
         result.error = f"{err.code.name}: {err.details}"
 
 
-async def run_duoserve(target: str, requests: list[BenchRequest], timeout: float) -> list[RequestResult]:
-    """Send every request at its arrival time over one channel; timings per request."""
+async def run_duoserve(
+    target: str, requests: list[BenchRequest], timeout: float, stream: bool = True
+) -> list[RequestResult]:
+    """Send every request at its arrival time over one channel, streamed (a message a token) or
+    unary (one response a request); timings per request."""
     results = [RequestResult(r.index, len(r.prompt_token_ids)) for r in requests]
     async with AsyncClient(target, retries=0, timeout=timeout) as client:
         start = time.perf_counter()
         await asyncio.gather(
-            *(_one_request(client, r, start, res) for r, res in zip(requests, results, strict=True))
+            *(_one_request(client, r, start, res, stream) for r, res in zip(requests, results, strict=True))
         )
     return results
 
@@ -424,14 +449,16 @@ def bench_server(
             client.generate(prompt_token_ids=warmup, max_tokens=min(8, args.output_len), ignore_eos=True)
     summaries, outputs = [], {}
     for name in prompts.names:
-        # Arrival times mean nothing for a single request: it runs offline only.
-        rates = [None, *args.rate] if specs[name].num_requests > 1 else [None]
-        for run, rate in enumerate(rates):
-            mode = "offline" if rate is None else f"poisson@{rate:g}/s"
+        # Arrival times mean nothing for a single request: it runs offline only. The unary run comes
+        # last, so the other runs draw the prompts they drew before it existed.
+        rates: list[float | None] = [None, *args.rate] if specs[name].num_requests > 1 else [None]
+        runs = [(rate, True) for rate in rates] + ([(None, False)] if args.unary else [])
+        for run, (rate, stream) in enumerate(runs):
+            mode = ("offline" if stream else UNARY_MODE) if rate is None else f"poisson@{rate:g}/s"
             requests = build_requests(prompts.of(name, run), specs[name].output_len, rate, args.seed)
             before = worker_seconds(metrics_url)
             compiled = triton_compiled_kernels()
-            results = asyncio.run(run_duoserve(target, requests, args.request_timeout))
+            results = asyncio.run(run_duoserve(target, requests, args.request_timeout, stream))
             summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
             print_rows(summaries[-1:])
             if summaries[-1].cached_prompt_tokens:
@@ -446,7 +473,7 @@ def bench_server(
                 summaries[-1].extra["triton_compiles"] = compiles
                 if compiles:
                     print(f"#   Triton compiled {compiles} kernel variant(s) during this run", flush=True)
-            if rate is None:
+            if rate is None and stream:
                 outputs[name] = [r.token_ids for r in results]
     if server_pid is not None:
         info["worker_memory"] = worker_memory_mb(server_pid)
@@ -574,10 +601,11 @@ def print_rows(summaries: Sequence[RunSummary]) -> None:
 
 
 def ratios(summaries: list[RunSummary]) -> list[dict[str, Any]]:
-    """duoserve / transformers output-throughput ratios for the same dtype and workload (offline)."""
+    """duoserve / transformers output-throughput ratios for the same dtype and workload, of each
+    offline run (streamed, and unary where it ran)."""
     rows = []
     for ours in summaries:
-        if ours.engine != "duoserve" or ours.mode != "offline":
+        if ours.engine != "duoserve" or ours.mode not in ("offline", UNARY_MODE):
             continue
         for theirs in summaries:
             if theirs.engine == "transformers" and (theirs.dtype, theirs.workload) == (
@@ -586,7 +614,13 @@ def ratios(summaries: list[RunSummary]) -> list[dict[str, Any]]:
             ):
                 ratio = ours.output_tok_s / theirs.output_tok_s if theirs.output_tok_s else None
                 rows.append(
-                    {"config": ours.config, "dtype": ours.dtype, "workload": ours.workload, "ratio": ratio}
+                    {
+                        "config": ours.config,
+                        "dtype": ours.dtype,
+                        "workload": ours.workload,
+                        "mode": ours.mode,
+                        "ratio": ratio,
+                    }
                 )
     return rows
 
@@ -710,6 +744,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, help=f"prompt tokens (default {FULL['input_len']})")
     p.add_argument("--output-len", type=int, help=f"output tokens (default {FULL['output_len']})")
     p.add_argument("--rate", nargs="*", type=float, default=[], help="also run Poisson arrivals at R req/s")
+    p.add_argument(
+        "--unary",
+        action="store_true",
+        help=f"also run each workload offline through unary Generate calls ({UNARY_MODE!r}): one response "
+        "a request and no message a token, what a client that does not stream sees; no TTFT or TPOT there",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--rounds",
@@ -872,7 +912,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n# duoserve / transformers output tok/s (offline)")
         for row in ratios(summaries):
             value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-            print(f"  {row['config']:<32} {row['workload']:<8} {value}")
+            print(f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} {value}")
         for key, match in agreement.items():
             print(f"  greedy agreement {key}: identical {match['identical']:.0%}, "
                   f"mean common prefix {match['mean_common_prefix']:.0%}")  # fmt: skip

@@ -30,3 +30,23 @@ def test_the_ceiling_run_serves_every_request_through_the_real_scheduler(tmp_pat
     assert result["output_tokens"] == 8 * 16  # --quick: 8 requests of 16 tokens, ignore_eos
     answered = [line for line in run.stdout.splitlines() if line.startswith("# instant worker: answered")]
     assert answered and int(answered[0].split()[4]) >= 16, answered
+
+
+def test_a_unary_run_serves_each_request_in_one_response_without_latencies(tmp_path: Path) -> None:
+    out = tmp_path / "unary.json"
+    serving = f"--quick --workloads random --unary --json {out}"
+    run = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cpu", "--serving-args", serving],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    streamed, unary = json.loads(out.read_text())["runs"]
+    assert (streamed["mode"], unary["mode"]) == ("offline", "offline-unary")
+    for result in (streamed, unary):
+        assert (result["completed"], result["errors"], result["output_tokens"]) == (8, 0, 8 * 16)
+        assert result["output_tok_s"] > 0 and result["e2e_p50"] > 0
+    assert streamed["ttft_p50"] is not None and streamed["tpot_p50"] is not None
+    # A unary response brings every token at once: no first token to time, no time between tokens.
+    assert unary["ttft_p50"] is None and unary["tpot_p50"] is None

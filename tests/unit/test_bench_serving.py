@@ -234,3 +234,32 @@ def test_greedy_agreement_counts_identical_outputs_and_the_common_prefix_of_the_
     assert match["identical"] == pytest.approx(1 / 3)
     assert match["mean_common_prefix"] == pytest.approx((1 + 0.5 + 0.5) / 3)
     assert [serving.first_difference(a, b) for a, b in zip(ours, theirs, strict=True)] == [None, 2, None]
+
+
+def test_a_unary_run_counts_its_tokens_at_the_response_and_measures_no_latency_between_them() -> None:
+    spec = serving.WorkloadSpec("random", 3, 16, 2)
+    results = [
+        serving.RequestResult(0, 16, sent=1.0, last_token=1.5, token_ids=[5, 6], streamed=False),
+        serving.RequestResult(1, 16, sent=1.0, last_token=3.0, token_ids=[7, 8], streamed=False),
+        serving.RequestResult(2, 16, sent=1.0, error="UNAVAILABLE: gone", streamed=False),
+    ]
+    summary = serving.summarize("duoserve", "dtype=bfloat16", "bfloat16", spec, serving.UNARY_MODE, results)
+    assert (summary.completed, summary.errors, summary.output_tokens) == (2, 1, 4)
+    assert summary.wall_s == pytest.approx(2.0) and summary.output_tok_s == pytest.approx(2.0)
+    assert summary.ttft_p50 is None and summary.tpot_p50 is None
+    assert (summary.e2e_p50, summary.e2e_p99) == pytest.approx((1.25, 1.985))
+    # A streamed request that never saw a token is not counted as one that did.
+    silent = serving.RequestResult(0, 16, sent=1.0, last_token=2.0, token_ids=[5])
+    assert serving.summarize("duoserve", "c", "bfloat16", spec, "offline", [silent]).output_tokens == 0
+
+
+def test_the_transformers_ratio_is_taken_for_the_streamed_and_the_unary_offline_runs() -> None:
+    streamed, unary, at_rate = (_run("dtype=bfloat16", "random", 0, tok_s) for tok_s in (300.0, 330.0, 200.0))
+    unary.mode, at_rate.mode = serving.UNARY_MODE, "poisson@2/s"
+    theirs = _run("transformers", "random", 0, 100.0)
+    theirs.engine = "transformers"
+    rows = serving.ratios([streamed, unary, at_rate, theirs])
+    assert [(row["mode"], row["ratio"]) for row in rows] == [
+        ("offline", pytest.approx(3.0)),
+        (serving.UNARY_MODE, pytest.approx(3.3)),
+    ]
