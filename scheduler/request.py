@@ -85,6 +85,10 @@ class Request:
     # Tokens held back for the next event (--stream-interval), and events queued so far.
     held: OutputEvent | None = None
     events_queued: int = 0
+    # False for a caller that reads the events only when the request ends (a unary call): they are
+    # kept in `unsent` and queued together then, so it wakes once, not once a token.
+    streamed: bool = True
+    unsent: list[OutputEvent] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:
@@ -152,7 +156,15 @@ class Request:
         """Queue `event` for the caller. With `interval` > 1, tokens after the first are held and
         sent `interval` at a time (the first goes at once, for the time to first token): an event
         goes out once it carries that many tokens, or ends the request. An error goes out at once,
-        behind whatever tokens were held."""
+        behind whatever tokens were held. A request that is not `streamed` keeps its events
+        until one ends it or fails it, and then queues them all."""
+        if not self.streamed:
+            self.unsent.append(event)
+            if event.error is not None or event.finish_reason is not None:
+                for kept in self.unsent:
+                    self._queue(kept)
+                self.unsent.clear()
+            return
         held, self.held = self.held, None
         if event.error is not None:
             if held is not None:

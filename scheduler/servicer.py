@@ -108,7 +108,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if call.span is not None:
                 call.span.end()
 
-    def _admit(self, message: inference_pb2.GenerateRequest, call: _Call | None = None) -> Request:
+    def _admit(
+        self, message: inference_pb2.GenerateRequest, call: _Call | None = None, streamed: bool = True
+    ) -> Request:
         limits = self._limits()
         ids, params = validate_generate(
             message, self.tokenizer, limits, self.engine.config.default_max_tokens
@@ -122,6 +124,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 self.tokenizer, stop=params.stop, prefix_token_ids=ids[-DETOKENIZER_CONTEXT:]
             ),
             events=asyncio.Queue(),
+            streamed=streamed,
         )
         if call is not None and call.span is not None and call.span.is_recording():
             request.trace = tracing.RequestTrace(call.span, self.model_name)
@@ -161,7 +164,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, message: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
         with self._call(context, "Generate") as call:
-            request = self._admit(message, call)
+            request = self._admit(message, call, streamed=False)
             response = inference_pb2.GenerateResponse(request_id=request.request_id)
             texts = []
             async for event in self._events(request):

@@ -480,6 +480,50 @@ def test_held_tokens_go_out_before_an_error_and_with_the_final_event() -> None:
     assert [(e.token_ids, e.finish_reason) for e in queued] == [([5], None), ([6, 7], FinishReason.STOP)]
 
 
+def test_a_request_read_only_at_its_end_queues_its_events_together_when_it_ends_or_fails() -> None:
+    request = _bare_request(1)
+    request.streamed = False  # a unary call
+    for token in (5, 6):
+        request.emit(OutputEvent(text=str(token), token_ids=[token]))
+    assert request.events.empty()  # its caller is not woken for each token
+    request.emit(OutputEvent(text="7", token_ids=[7], finish_reason=FinishReason.LENGTH))
+    queued = [request.events.get_nowait() for _ in range(request.events.qsize())]
+    assert [(e.text, e.token_ids, e.finish_reason) for e in queued] == [
+        ("5", [5], None),
+        ("6", [6], None),
+        ("7", [7], FinishReason.LENGTH),
+    ]
+    assert request.unsent == [] and request.events_queued == 3
+    # A failure comes behind the tokens already made.
+    request = _bare_request(2)
+    request.streamed = False
+    request.emit(OutputEvent(token_ids=[5]))
+    assert request.events.empty()
+    request.emit(OutputEvent(error=("DEADLINE_EXCEEDED", "deadline_ms=10 passed")))
+    queued = [request.events.get_nowait() for _ in range(request.events.qsize())]
+    assert [(e.token_ids, e.error) for e in queued] == [
+        ([5], None),
+        ([], ("DEADLINE_EXCEEDED", "deadline_ms=10 passed")),
+    ]
+
+
+def test_a_unary_caller_gets_every_token_of_a_request_through_the_engine() -> None:
+    async def scenario() -> None:
+        worker = ScriptedWorker(address())
+        engine = await with_engine(worker, stream_interval=4)
+        request = make_request(engine, 5, max_tokens=10)
+        request.streamed = False
+        engine.submit(request)
+        first = await request.events.get()
+        assert request.events.qsize() == 9  # queued together with the first, when the request ended
+        sizes = [len(first.token_ids)] + [len(event.token_ids) async for event in events_of(request)]
+        assert sizes == [1] * 10  # each token's own event: the interval is for streams
+        assert request.output_token_ids == [TOKEN] * 10 and request.events_queued == 10
+        await stop(engine, worker)
+
+    asyncio.run(scenario())
+
+
 def test_worker_times_count_decode_steps_apart() -> None:
     times = WorkerTimes()
     for decode, seconds in ((False, 0.3), (True, 0.04), (True, 0.05)):
