@@ -63,8 +63,10 @@ SMALL_STEP_ROWS = 2
 def small_steps_take_blocks(dtype: torch.dtype, device: torch.device) -> bool:
     """True where bfloat16 linears with quantized blocks keep them beside their bfloat16 weights
     and steps of up to SMALL_STEP_ROWS rows take the block kernel's dot products (AVX-512 BF16,
-    no AMX: the AMX pair kernel is unmeasured against it). Linears hold the blocks only where the
-    loaded kernel has the dot products (BlockLinear.dot_products)."""
+    no AMX: on a 2-core AMX Xeon the dot products took 10.3-10.6 ms at one row against the AMX
+    pair kernel's 10.5-10.8, and 12.0-12.7 at two against 10.6-10.8, bench/linear_ab.py
+    --dtype bfloat16, so there the blocks would not pay for their memory). Linears hold the blocks
+    only where the loaded kernel has the dot products (BlockLinear.dot_products)."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
