@@ -40,11 +40,21 @@ log = logging.getLogger(__name__)
 # oneDNN picks its blocking for this many rows; decode steps batch about this many sequences.
 PACKING_BATCH_HINT = 64
 
-# Steps of up to this many rows take the block kernel where a linear has GGUF blocks; past it
-# oneDNN's packed kernel on the float32 copy multiplies as fast or faster. On a 2-core AMD EPYC
-# (Zen 3), SmolLM2's linears and head took 162 ms on blocks against oneDNN's 211 at 64 rows, 639
-# against 668 at 256 and 1275 against 1170 at 512 (bench/linear_ab.py at c8d5bf9).
-BLOCK_MAX_ROWS = cpu_block_linear.MAX_ROWS
+# float32 steps of up to this many rows take the block kernel where a linear has GGUF blocks; past
+# it oneDNN's packed kernel on the float32 copy multiplies as fast or faster. The block kernel's
+# tiles are 8 floats wide (AVX2), so where oneDNN has AVX-512 it wins from far fewer rows. SmolLM2's
+# linears and head (bench/linear_ab.py), blocks against oneDNN:
+# - a 2-core AMD EPYC (Zen 3, AVX2): 162 ms against 211 at 64 rows, 639 against 668 at 256, 1275
+#   against 1170 at 512 (at c8d5bf9);
+# - a 2-core AMD EPYC (Zen 4, AVX-512): 30.9 against 34.0 at 16 rows, 92.6 against 92.9 at 64,
+#   369 against 347 at 256;
+# - a 2-core Intel Xeon (AVX-512, AMX): 51.2-53.0 against 54.2-55.2 at 32 rows, 75.3 against 71.5
+#   at 48, 93-95 against 84-88 at 64, 185.9 against 130.4 at 128, 389.5 against 242.9 at 256.
+#   Served in float32 there, a 256-token prompt's prefill step took 218-250 ms against 344-351
+#   with the blocks up to 256 rows.
+# With AVX-512 the limit is the decode stack's 64 rows (kernels/cpu_stack.py), not less: decode
+# steps up to it run in the stack, on the blocks, and op by op they then get the same bits.
+BLOCK_MAX_ROWS = 64 if cpu_has("avx512f") else cpu_block_linear.MAX_ROWS
 
 
 def cpu_multiplies_bfloat16() -> bool:

@@ -103,7 +103,7 @@ def choose_blocks_only(
     in bfloat16 where the blocks take every step (`blocks_take`: dense copies would go unused;
     where the CPU multiplies bfloat16 they take steps of one or two rows, and the pair-layout and
     oneDNN kernels the others, on the dense copies); in float32
-    (where dense copies take steps of more than BLOCK_MAX_ROWS rows, a few percent faster there),
+    (where dense copies take steps of more than BLOCK_MAX_ROWS rows, as fast or faster there),
     those too once their float32 copies (and oneDNN's packed ones, where it runs) would take more
     than DENSE_COPIES_SHARE of the memory free now."""
     names = blocks_only_weights(model_config, blocks)

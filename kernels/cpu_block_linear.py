@@ -40,7 +40,7 @@ from kernels._launch import require
 from kernels.block_weights import BlockRows, Blocks, BlockWeight
 from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load
 
-MAX_ROWS = 256  # in float32 the worker takes oneDNN past this (gpu_worker/linear.py)
+MAX_ROWS = 256  # in float32 the worker takes oneDNN past this, past 64 with AVX-512 (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
 STREAM_ROWS = 6  # block_linear.c's: up to this many rows of x stream each weight row once
 DOT_ROWS_WITH_AMX = 2  # see dot_rows

@@ -40,7 +40,7 @@ from kernels.cpu_decode import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, VECTOR_B
 from kernels.kv_int8 import Int8Cache, cache_rows
 
 # The block builds' decode steps: up to this many sequences (its scratch is sized for them);
-# larger ones run op by op, each linear still on the blocks up to cpu_block_linear.MAX_ROWS.
+# larger ones run op by op, each linear still on the blocks up to gpu_worker.linear.BLOCK_MAX_ROWS.
 BLOCK_STACK_MAX_ROWS = 64
 
 _lock = threading.Lock()

@@ -196,7 +196,8 @@ WORKER_FLAGS = (
         "Q8_0/Q5_0/Q5_1/Q4_0/Q4_1/IQ4_NL blocks, Q2_K-Q6_K/IQ4_XS/IQ1_S-IQ3_S super-blocks and "
         "F16/BF16 tensors, a "
         "directory's float16/bfloat16 tensors), widened in "
-        "registers: in float32 steps of 1-256 rows (else the float32 copies), and in bfloat16 on "
+        "registers: in float32 steps of 1-256 rows (1-64 on CPUs with AVX-512; else the float32 "
+        "copies), and in bfloat16 on "
         "CPUs without AVX-512 BF16 or AMX every step (weights rounded to bfloat16; a weight "
         "without quantized blocks multiplies on its own bfloat16 copy)",
     ),
@@ -205,7 +206,7 @@ WORKER_FLAGS = (
         str,
         "auto",
         "CPU, with --block-linear: keep dense copies of the weights that have blocks (keep: in "
-        "float32 they and oneDNN's packed copies take steps of more than 256 rows, a few percent "
+        "float32 they and oneDNN's packed copies take steps of more than 256 rows (64 with AVX-512), "
         "faster there), hold the blocks alone and multiply on them at every step (drop: memory "
         "about the file's size), or (auto) drop them in bfloat16, where the blocks take every "
         "step anyway, and in float32 once the copies would take more than a quarter of the free memory",

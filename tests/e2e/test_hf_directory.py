@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from duoserve_client import Client
-from gpu_worker.linear import block_kernel
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel
 from scheduler.model_files import find_default_model
 from tests.e2e.harness import ServerProcess, serve_greedy, start_server
 from tests.transformers_reference import gguf_tokenizer
@@ -194,7 +194,10 @@ def test_bfloat16_directory_served_in_float32_streams_its_own_tensors(tiny_bfloa
     texts = [f"Question {i}: " + "why " * (i * 5) for i in range(4)]
     prompts, served = serve_greedy(server, texts, NEW_TOKENS)
     if block_kernel() is not None:
-        assert "9 of 9 linears take the block kernel for steps of up to 256 rows (9 BF16)" in server.log()
+        assert (
+            f"9 of 9 linears take the block kernel for steps of up to {BLOCK_MAX_ROWS} rows (9 BF16)"
+            in server.log()
+        )
     assert served == reference(tiny_bfloat16_dir, prompts)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpu_worker.linear import block_kernel
+from gpu_worker.linear import BLOCK_MAX_ROWS, block_kernel
 from tests.e2e.harness import serve_greedy, start_server
 from tests.transformers_reference import gguf_model, reference_greedy
 
@@ -37,7 +37,7 @@ def test_a_q4_k_m_file_is_served_on_its_blocks_alone(smollm2_q4_k_m: Path) -> No
         # 30 layers: qkv in Q5_0 (16) or Q5_0+Q8_0 (14), o/gate_up in Q5_0, down in Q4_K (16) or
         # Q6_K (14); the tied head on the embedding's Q8_0.
         assert (
-            "121 of 121 linears take the block kernel for steps of up to 256 rows "
+            f"121 of 121 linears take the block kernel for steps of up to {BLOCK_MAX_ROWS} rows "
             "(16 Q4_K, 76 Q5_0, 14 Q5_0+Q8_0, 14 Q6_K, 1 Q8_0)" in log
         )
         assert "120 of them hold no dense copy and take it at every step (--dense-weights drop)" in log
