@@ -50,7 +50,7 @@ PACKING_BATCH_HINT = 64
 #   369 against 347 at 256;
 # - a 2-core Intel Xeon (AVX-512, AMX): 51.2-53.0 against 54.2-55.2 at 32 rows, 75.3 against 71.5
 #   at 48, 93-95 against 84-88 at 64, 185.9 against 130.4 at 128, 389.5 against 242.9 at 256.
-#   Served in float32 there, a 256-token prompt's prefill step took 218-250 ms against 344-351
+#   Served in float32 there, a 256-token prompt's prefill step took 224-242 ms against 335-367
 #   with the blocks up to 256 rows.
 # With AVX-512 the limit is the decode stack's 64 rows (kernels/cpu_stack.py), not less: decode
 # steps up to it run in the stack, on the blocks, and op by op they then get the same bits.

@@ -100,8 +100,8 @@
  * already in the cache took a third of the time: the hardware's prefetchers do not run far enough
  * ahead of rows this short (360 bytes for Q4_1 at k = 576). SmolLM2's Q4_1 linears and Q8_0 head
  * in float32 (bench/linear_ab.py): one row 18.5-19.2 ms before, 8.6-9.1 after; two rows 19.5-19.7
- * against 8.2-9.9; four 21.6-21.9 against 10.5-11.7; six 26.8-27.2 against 13.5-14.3; bfloat16
- * dot products at one row 24.2-26.2 against 9.5-10.1. The tiled path's panels, whose widening
+ * against 8.2-9.9; four 21.6-21.9 against 10.8-11.7; six 26.8-27.2 against 13.5-14.3; bfloat16
+ * dot products at one row 24.1-26.4 against 10.0-10.2. The tiled path's panels, whose widening
  * also reads each row once: 16 rows 30.5-31.4 against 32.1, 64 rows 92.9-95.6 against 94.2-98.3.
  * 2, 3 and 4 KB ahead did as well as each other, 8 KB a little worse. A prefetch never faults, so
  * the rows past the weight's end that the last ones ask for cost nothing but the request.
