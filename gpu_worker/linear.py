@@ -34,6 +34,7 @@ from kernels.block_weights import BF16, Blocks, BlockWeight
 from kernels.cpu_block_linear import BlockLinear, load_block_linear
 from kernels.cpu_build import cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
+from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,9 @@ PACKING_BATCH_HINT = 64
 #   at 48, 93-95 against 84-88 at 64, 185.9 against 130.4 at 128, 389.5 against 242.9 at 256.
 #   Served in float32 there, a 256-token prompt's prefill step took 224-242 ms against 335-367
 #   with the blocks up to 256 rows.
-# With AVX-512 the limit is the decode stack's 64 rows (kernels/cpu_stack.py), not less: decode
+# With AVX-512 the limit is the decode stack's 64 rows (BLOCK_STACK_MAX_ROWS), not less: decode
 # steps up to it run in the stack, on the blocks, and op by op they then get the same bits.
-BLOCK_MAX_ROWS = 64 if cpu_has("avx512f") else cpu_block_linear.MAX_ROWS
+BLOCK_MAX_ROWS = BLOCK_STACK_MAX_ROWS if cpu_has("avx512f") else cpu_block_linear.MAX_ROWS
 
 
 def cpu_multiplies_bfloat16() -> bool:
