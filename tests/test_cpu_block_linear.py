@@ -296,7 +296,23 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
     x[torch.arange(len(picked)), picked] = 1.0  # y[r, o] = w[o, picked[r]], one product each
     want = weight.dequantize()[:, picked].T
     assert torch.equal(kernel(x, weight), want)  # tiled
-    assert torch.equal(kernel(x[:3], weight), want[:3])  # streamed
+    for rows in (1, 2, 3):  # streamed: four chains of sums a row up to two rows, two past that
+        assert torch.equal(kernel(x[:rows], weight), want[:rows])
+
+
+@pytest.mark.parametrize("type_", sorted(TYPES))
+def test_bfloat16_steps_of_two_rows_take_each_weight_as_the_bfloat16_copy_holds_it(
+    kernel: BlockLinear, type_: int
+) -> None:
+    """Two-row steps stream (on dot products where the CPU has them; with AVX-512 BW, Q4_0 and Q4_1
+    weights are looked up by nibble among their block's 16 rounded values): every weight of every
+    position of a block is the model's bfloat16 copy's value, to the bit."""
+    k = whole(type_, 96)
+    weight = block_weight(type_, 24, k, seed=11 * type_)
+    want = weight.dequantize().bfloat16().T  # [k, n]: row i is what x = e_i picks
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    got = torch.cat([kernel(eye[i : i + 2], weight) for i in range(0, k, 2)])
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))

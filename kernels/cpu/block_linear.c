@@ -129,10 +129,123 @@ static inline int stream_wide(int type)
  * more would not fit the registers), so that the additions' latency hides behind the widening and
  * the loads.
  */
+#if defined(__AVX512BW__)
+#define PASS_512 1
+/* A Q4_0 or Q4_1 block's d and m (-8d for Q4_0) in every lane, as widen computes them. */
+static inline __attribute__((always_inline)) void q4_scales(const uint8_t *block, const int type, __m512 *scale,
+                                                            __m512 *add)
+{
+    if (type == TYPE_Q4_1) {
+        int32_t pair;
+        __builtin_memcpy(&pair, block, 4);
+        const __m512 both = _mm512_cvtph_ps(_mm256_set1_epi32(pair)); /* d, m, d, m, ... */
+        *scale = _mm512_moveldup_ps(both);
+        *add = _mm512_movehdup_ps(both);
+    } else {
+        uint16_t bits;
+        __builtin_memcpy(&bits, block, 2);
+        *scale = _mm512_cvtph_ps(_mm256_set1_epi16((short)bits));
+        *add = _mm512_mul_ps(*scale, _mm512_set1_ps(-8.0f)); /* exact */
+    }
+}
+
+/* The 16 values a Q4_0 or Q4_1 block's nibbles stand for, fma(q, d, m) for q = 0..15, in float32. */
+static inline __attribute__((always_inline)) __m512 q4_values(const uint8_t *block, const int type)
+{
+    __m512 scale, add;
+    q4_scales(block, type, &scale, &add);
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(q, scale, add);
+}
+
+/*
+ * A group of Q4_0, Q4_1 or Q8_0 widened into two 512-bit registers, w[0] its weights 0..15 and
+ * w[1] 16..31, each the very value widen gives: Q4 weights looked up by nibble among their block's
+ * 16 values (vpermps reads an index's low four bits, so the low nibbles need no mask), Q8_0's
+ * each q times d.
+ */
+static inline __attribute__((always_inline)) void widen_512(const uint8_t *block, const int type, __m512 w[2])
+{
+    if (type == TYPE_Q8_0) {
+        uint16_t bits;
+        __builtin_memcpy(&bits, block, 2);
+        const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16((short)bits));
+        const uint8_t *q = block + quants_at(type);
+        for (int j = 0; j < 2; j++)
+            w[j] = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j)))), scale);
+        return;
+    }
+    const __m512 values = q4_values(block, type);
+    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(block + quants_at(type))));
+    w[0] = _mm512_permutexvar_ps(index, values);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(index, 4), values);
+}
+
+/* The types the 512-bit paths (pass_512, dot_pass_512) widen. */
+static inline int widens_512(int type)
+{
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_Q8_0;
+}
+
+/*
+ * pass in float32 (no rounding) for the types that widen_512 takes, on 512-bit registers: about
+ * half the instructions of widening into four 256-bit ones. Chains of additions: four a row for
+ * one or two rows (two groups at a time), two past that. On a 2-core AMD EPYC (Zen 5), SmolLM2's
+ * Q4_1 linears and Q8_0 head against the 256-bit path (bench/block_linear_ab.py, medians of 40 in
+ * one run): one row 5.43 ms against 6.03, two 6.19 against 6.57, three 6.91 against 7.80, six
+ * 10.17 against 11.63.
+ */
+static inline __attribute__((always_inline)) void pass_512(
+    const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
+    int64_t n, float bias, const int type, const int rows)
+{
+    const int pairs = rows <= 2 ? 2 : 1; /* groups whose sums go to chains of their own */
+    const int64_t bytes = block_bytes(type);
+    __m512 acc[STREAM_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        __m512 even[2], odd[2];
+        widen_512(row + b * bytes, type, even);
+        widen_512(row + (b + 1) * bytes, type, odd);
+        for (int r = 0; r < rows; r++) {
+            const float *xb = x + r * x_stride + 32 * b;
+            for (int j = 0; j < 2; j++) {
+                acc[r][j] = _mm512_fmadd_ps(even[j], _mm512_loadu_ps(xb + 16 * j), acc[r][j]);
+                acc[r][2 * (pairs - 1) + j] =
+                    _mm512_fmadd_ps(odd[j], _mm512_loadu_ps(xb + 32 + 16 * j), acc[r][2 * (pairs - 1) + j]);
+            }
+        }
+    }
+    if (b < blocks) {
+        __m512 last[2];
+        widen_512(row + b * bytes, type, last);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 2; j++)
+                acc[r][j] = _mm512_fmadd_ps(last[j], _mm512_loadu_ps(x + r * x_stride + 32 * b + 16 * j), acc[r][j]);
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 total = _mm512_add_ps(acc[r][0], acc[r][1]);
+        if (pairs == 2) total = _mm512_add_ps(total, _mm512_add_ps(acc[r][2], acc[r][3]));
+        y[r * y_stride + n] = _mm512_reduce_add_ps(total) + bias;
+    }
+}
+#else
+#define PASS_512 0
+#endif
+
 static inline __attribute__((always_inline)) void pass(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
     int64_t n, float bias, const int type, const int bf16, const int rows)
 {
+#if PASS_512
+    if (!bf16 && rows <= STREAM_ROWS && widens_512(type)) {
+        pass_512(x, x_stride, blocks, row, y, y_stride, n, bias, type, rows);
+        return;
+    }
+#endif
     const int chains = rows <= 2 ? 4 : rows <= STREAM_ROWS ? 2 : 1;
     __m256 acc[WIDE_STREAM_ROWS][4];
     for (int r = 0; r < rows; r++)
@@ -232,10 +345,82 @@ static void stream_rows(
  * with AMX the same: 1.05-1.14x at 1-2 rows but 0.89-0.96x at 4-6, where the dot products, not
  * the bytes, set the pace; kernels/cpu_block_linear.py sets dot_rows to 2 on such CPUs.
  */
+#if PASS_512
+#define DOT_512 1
+/*
+ * A group of Q4_0 or Q4_1 as 32 bfloat16 weights in one 512-bit register, looked up by nibble: the
+ * block's 16 values (q4_values) rounded to bfloat16 once, as the packing below rounds them, then
+ * vpermw picks each weight's. So each weight is the very value of the 256-bit path.
+ */
+static inline __attribute__((always_inline)) __m512bh lookup_q4_group(const uint8_t *block, const int type)
+{
+    const __m256bh values = _mm512_cvtneps_pbh(q4_values(block, type));
+    /* Weights 0..15 are the low nibbles of the 16 bytes, 16..31 the high ones: the bytes twice,
+     * the second copy shifted down by 4, masked, then widened to 16-bit indices. */
+    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + quants_at(type))));
+    const __m256i shifts = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi16(twice, shifts), _mm256_set1_epi8(0x0f));
+    const __m512i index = _mm512_cvtepu8_epi16(nibbles);
+    return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_castsi256_si512((__m256i)values));
+}
+
+/* A group of a type that widens_512 takes as 32 bfloat16 weights (Q8_0's rounded as the 256-bit
+ * path rounds them). */
+static inline __attribute__((always_inline)) __m512bh group_bf16(const uint8_t *block, const int type)
+{
+    if (type != TYPE_Q8_0) return lookup_q4_group(block, type);
+    __m512 w[2];
+    widen_512(block, type, w);
+    return _mm512_cvtne2ps_pbh(w[1], w[0]);
+}
+
+/*
+ * dot_pass for the types widens_512 takes, on 512-bit registers: a group's 32 weights in one
+ * register, one dot product a row, two chains of additions a row (even and odd groups). On a
+ * 2-core AMD EPYC (Zen 5), SmolLM2's Q4_1 linears and Q8_0 head against the 256-bit path
+ * (bench/block_linear_ab.py --dtype bfloat16, medians of 40 in one run): one row 3.62 ms against
+ * 4.91, two 3.91 against 5.47, three 4.34 against 6.89, six 5.75 against 8.46. With the blocks in
+ * the cache one row took as long per byte, so the widening, not the memory, still sets the pace.
+ * Not measured on Zen 4, whose 512-bit operations take two passes: by count of 256-bit passes
+ * this path still does a little less there.
+ */
+static inline __attribute__((always_inline)) void dot_pass_512(
+    const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
+    int64_t n, float bias, const int type, const int rows)
+{
+    const int64_t bytes = block_bytes(type);
+    __m512 acc[STREAM_ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#define X_512(r, b) ((__m512bh)_mm512_loadu_si512(x + (r) * x_stride + 32 * (b)))
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const __m512bh even = group_bf16(row + b * bytes, type), odd = group_bf16(row + (b + 1) * bytes, type);
+        for (int r = 0; r < rows; r++) {
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], even, X_512(r, b));
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], odd, X_512(r, b + 1));
+        }
+    }
+    if (b < blocks) {
+        const __m512bh last = group_bf16(row + b * bytes, type);
+        for (int r = 0; r < rows; r++) acc[r][0] = _mm512_dpbf16_ps(acc[r][0], last, X_512(r, b));
+    }
+#undef X_512
+    for (int r = 0; r < rows; r++) y[r * y_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + bias;
+}
+#else
+#define DOT_512 0
+#endif
+
 static inline __attribute__((always_inline)) void dot_pass(
     const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
     int64_t n, float bias, const int type, const int rows)
 {
+#if DOT_512
+    if (widens_512(type)) {
+        dot_pass_512(x, x_stride, blocks, row, y, y_stride, n, bias, type, rows);
+        return;
+    }
+#endif
     /* Two chains of additions for one or two rows, one past that (the rows' own chains). */
     const int chains = rows <= 2 ? 2 : 1, bf16 = 0; /* widened exactly: the packing rounds */
     __m256 acc[STREAM_ROWS][2];
