@@ -67,7 +67,11 @@ def cpu_multiplies_bfloat16() -> bool:
 # `small_steps_take_blocks`: on a 2-core AMD EPYC (Zen 4), SmolLM2's linears and head at one row
 # 7.0 ms on the Q4_1/Q8_0 blocks against 9.0 on the pair-layout kernel's bfloat16 copy, at two 7.8
 # against 9.0, at four 10.1 against 9.1 (bench/linear_ab.py --dtype bfloat16). A step of one or
-# two rows reads 96 MB of blocks instead of 269 MB of bfloat16 weights.
+# two rows reads 96 MB of blocks instead of 269 MB of bfloat16 weights. On a 2-core Zen 5 the
+# 256-bit dot products lost (5.6 against 5.1 at one row, 5.8 against 5.4 at two); since the blocks'
+# 512-bit path (kernels/cpu/block_linear.c, dot_pass_512) they win there, 5.6-5.7 against 7.7-8.5 at
+# one or two rows and 5.1-6.8 against 7.6-9.3 at three to six in one run. Steps of three to six stay
+# on the pairs until that is measured on Zen 4, where 512-bit operations take two passes.
 SMALL_STEP_ROWS = 2
 
 

@@ -20,7 +20,9 @@
  *   multiplies join it; a widened block is never stored. On a 2-core AMD EPYC (Zen 4), SmolLM2's
  *   Q4_1 linears and Q8_0 head took 6.7 ms at one row, 13.8 at six, 16.4 at seven and 24.8 at
  *   twelve, where 16-row tiles took 29.5 for any of 7 to 16 (bench/block_linear_ab.py); at k =
- *   1024 and 12 rows the tiles were faster (0.78-0.85x).
+ *   1024 and 12 rows the tiles were faster (0.78-0.85x). With AVX-512 BW, Q4_0, Q4_1 and Q8_0
+ *   stream up to STREAM_ROWS rows on 512-bit registers instead (pass_512, dot_pass_512), each Q4
+ *   weight looked up among its block's 16 values.
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
  *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
  *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
