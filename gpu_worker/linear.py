@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kernels import cpu_block_linear, cpu_pair_linear
 from kernels.block_weights import BF16, Blocks, BlockWeight
 from kernels.cpu_block_linear import BlockLinear, load_block_linear
-from kernels.cpu_build import cpu_has
+from kernels.cpu_build import BF16_DOT, cpu_has
 from kernels.cpu_pair_linear import KernelBuildError, PairLinear, load_pair_linear
 from kernels.cpu_stack import BLOCK_STACK_MAX_ROWS
 
@@ -93,6 +93,17 @@ def small_steps_take_blocks(dtype: torch.dtype, device: torch.device) -> bool:
 def wants_blocks(dtype: torch.dtype, device: torch.device) -> bool:
     """True where the worker loads the files' blocks for its linears (with --block-linear)."""
     return blocks_take(dtype, device) or small_steps_take_blocks(dtype, device)
+
+
+def pair_takes_every_step(pair: PairLinear) -> bool:
+    """True where the pair-layout kernel takes steps of every size, not only decode-sized ones: on
+    its AVX-512 BF16 dot products. On a 2-core AMD EPYC (Zen 5) SmolLM2's four linears of 30 layers
+    took 33.8 ms on it at 128 rows against oneDNN's 42.9, 59.4 against 64.9 at 256 and 440.4 against
+    481.0 at 2048 (987 GFLOP/s, this CPU's dot-product peak; a scratch loop of them alone made
+    931-968); its gate_up with the SiLU in its epilogue beats oneDNN's SiLU and multiply as post-ops
+    too. On Zen 4 it tied oneDNN at prefill sizes (bench/results/issue4-zen4-session33.md). On AMX
+    tiles oneDNN, itself on AMX, is as fast or faster past 64 rows, and takes them."""
+    return pair.engine == BF16_DOT
 
 
 def blocks_take(dtype: torch.dtype, device: torch.device) -> bool:
@@ -161,7 +172,13 @@ def pair_kernel() -> PairLinear | None:
         if not _pair:
             try:
                 loaded = load_pair_linear()
-                log.info("pair-layout linear kernel multiplies on %s", loaded.engine)
+                log.info(
+                    "pair-layout linear kernel multiplies on %s, steps of %s",
+                    loaded.engine,
+                    "every size"
+                    if pair_takes_every_step(loaded)
+                    else f"up to {cpu_pair_linear.MAX_ROWS} rows",
+                )
                 _pair.append(loaded)
             except KernelBuildError as exc:
                 log.info("pair-layout linear kernel unavailable, oneDNN takes every batch: %s", exc)
@@ -194,7 +211,8 @@ class Linear:
     """x [T, in] → x @ weight.T (+ bias) [T, out], by the fastest kernel here for T rows.
 
     Not `packed`: `F.linear`. `packed`: oneDNN's packed kernel, except that with `pair` steps of
-    up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`). With
+    up to cpu_pair_linear.MAX_ROWS rows take the pair-layout kernel (on `pair_weight`), and steps of
+    every size where it multiplies on dot products (`pair_takes_every_step`). With
     `blocks` (the weight as its file stores it; float32, or bfloat16 where `blocks_take` or
     `small_steps_take_blocks`), steps take the block kernel where it loads: in float32 those of up
     to BLOCK_MAX_ROWS rows, in bfloat16 all of them, or those of up to SMALL_STEP_ROWS where the
@@ -291,8 +309,12 @@ class Linear:
         return None if self._pair is None else self._pair.engine
 
     def takes_own_kernel(self, x: torch.Tensor) -> bool:
-        """True when a step of x's rows runs on duoserve's pair-layout kernel, not oneDNN."""
-        return self._pair is not None and x.stride(-1) == 1 and 1 <= x.shape[0] <= cpu_pair_linear.MAX_ROWS
+        """True when a step of x's rows runs on duoserve's pair-layout kernel, not oneDNN: up to
+        cpu_pair_linear.MAX_ROWS rows on AMX tiles, every step on the dot products
+        (`pair_takes_every_step`)."""
+        if self._pair is None or x.stride(-1) != 1 or x.shape[0] < 1:
+            return False
+        return pair_takes_every_step(self._pair) or x.shape[0] <= cpu_pair_linear.MAX_ROWS
 
     def _own_kernel(self, x: torch.Tensor) -> torch.Tensor:
         assert self._pair is not None and self.pair_weight is not None
@@ -340,10 +362,20 @@ class GateUpLinear(Linear):
         return torch.cat([_onednn_linear(x, self._gate), _onednn_linear(x, self._up)], dim=1)
 
     def silu_and_mul(
-        self, x: torch.Tensor, fallback: Callable[[torch.Tensor], torch.Tensor]
+        self, x: torch.Tensor, fallback: Callable[[torch.Tensor], torch.Tensor], c_rounding: bool = False
     ) -> torch.Tensor:  # [T, in] → [T, F]
-        """SiLU(gate) * up; `fallback` maps the [T, 2F] projection to it where oneDNN does not run."""
-        if not self.post_ops or self.takes_own_kernel(x) or self.takes_block_kernel(x):
+        """SiLU(gate) * up; `fallback` maps the [T, 2F] projection to it where oneDNN does not run.
+        With `c_rounding` (`fallback` is kernels/cpu/fused_ops.c's SiLU-and-multiply), a step that
+        the pair kernel's dot products take runs the SiLU and the product in its epilogue instead:
+        the same bits, without writing the projection."""
+        if self.takes_block_kernel(x):
+            return fallback(self(x))
+        if self.takes_own_kernel(x):
+            assert self._pair is not None and self.pair_weight is not None
+            if c_rounding and self._pair.fuses_silu:
+                return self._pair.silu_and_mul(x, self.pair_weight)
+            return fallback(self(x))
+        if not self.post_ops:
             return fallback(self(x))
         gate = torch.ops.mkldnn._linear_pointwise(x, self._gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self._up, None, "mul")

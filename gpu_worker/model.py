@@ -28,6 +28,7 @@ from gpu_worker.linear import (
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.stack_binding import StackBinding
 from kernels.block_weights import Blocks, BlockWeight, concat_rows
+from kernels.cpu_fused import CpuFusedOps
 from kernels.cpu_pair_linear import PairLinear
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -181,7 +182,9 @@ class DecoderLayer(nn.Module):
         x = ops.fused_add_rms_norm(
             attn, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps
         )
-        mlp = self.down(self.gate_up.silu_and_mul(x, ops.silu_and_mul))
+        mlp = self.down(
+            self.gate_up.silu_and_mul(x, ops.silu_and_mul, c_rounding=isinstance(ops, CpuFusedOps))
+        )
         return ops.fused_add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
 
     def _attention(

@@ -1,5 +1,5 @@
-"""y = x @ weight.T (+ bias) in bfloat16 on weights packed in pairs, for decode-sized batches (1
-to MAX_ROWS rows).
+"""y = x @ weight.T (+ bias) in bfloat16 on weights packed in pairs: decode-sized batches (1 to
+MAX_ROWS rows) on AMX tiles, batches of any size on AVX-512 BF16 dot products.
 
 A decode step's linears stream every weight once and do little with it. oneDNN's packed kernel
 (gpu_worker/linear.py) is tuned for large batches; `kernels/cpu/pair_linear.c` packs each weight
@@ -14,8 +14,10 @@ weights from memory:
 - dot products, on a 2-core AMD EPYC: 6.4 ms at one or two rows (the plain-layout kernel:
   7.4-8.0; oneDNN: 10.8), 10.9 at 16 (oneDNN: 14.2), 33.0 at 64 (oneDNN: 38.3-49.8), 65 at 128
   (oneDNN: 75).
-The worker sends batches past MAX_ROWS to oneDNN, which is as fast or faster on prefill chunks.
-Where the CPU has neither engine, `load_pair_linear` raises `KernelBuildError` and oneDNN takes
+With AMX the worker sends batches past MAX_ROWS to oneDNN, which is as fast or faster there on
+prefill chunks; the dot products take prefill chunks too (gpu_worker/linear.py's
+pair_takes_every_step), and on them a gate_up weight's product can end in the MLP's SiLU and
+multiply (`PairLinear.silu_and_mul`). Where the CPU has neither engine, `load_pair_linear` raises `KernelBuildError` and oneDNN takes
 every batch.
 """
 
@@ -31,16 +33,28 @@ import torch
 from kernels._launch import require
 from kernels.cpu_build import KernelBuildError, load_engine
 
-MAX_ROWS = 64  # the worker takes oneDNN past this
+MAX_ROWS = 64  # with AMX the worker takes oneDNN past this
 
 _lock = threading.Lock()
-_functions: dict[bool, tuple[Callable[..., None], str]] = {}
+# By allow_amx: the product, the gate_up product with SiLU-and-multiply (dot engine only), the engine.
+_functions: dict[bool, tuple[Callable[..., None], Callable[..., None] | None, str]] = {}
 
 # duoserve_pair_linear(x, x_stride, packed weight, bias, y, rows, n, k, threads)
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,
     ctypes.c_int64,
     ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+]
+# duoserve_pair_linear_silu(x, x_stride, packed gate_up weight, y, rows, ffn, k, threads)
+_SILU_ARGTYPES: list[Any] = [
+    ctypes.c_void_p,
+    ctypes.c_int64,
     ctypes.c_void_p,
     ctypes.c_void_p,
     ctypes.c_int64,
@@ -61,9 +75,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 class PairLinear:
     """The loaded kernel; call it with x and a weight from `pack`."""
 
-    def __init__(self, function: Callable[..., None], engine: str) -> None:
+    def __init__(
+        self, function: Callable[..., None], engine: str, silu_function: Callable[..., None] | None = None
+    ) -> None:
         self._function = function
+        self._silu_function = silu_function
         self.engine = engine  # what multiplies: cpu_build.AMX or cpu_build.BF16_DOT
+
+    @property
+    def fuses_silu(self) -> bool:
+        """True where `silu_and_mul` runs (the dot-product engine)."""
+        return self._silu_function is not None
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -77,16 +99,15 @@ class PairLinear:
             and weight.shape[0] % 16 == 0
         )
 
-    def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    @staticmethod
+    def _check(x: torch.Tensor, packed: torch.Tensor) -> None:
         require(
             x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1,
             "x",
             x,
             "a bfloat16 [rows, in] CPU tensor with contiguous rows",
         )
-        rows, k = x.shape
+        k = x.shape[1]
         require(
             packed.dim() == 5
             and packed.dtype == torch.bfloat16
@@ -97,6 +118,12 @@ class PairLinear:
             packed,
             f"a weight of input size {k} from kernels.cpu_pair_linear.pack",
         )
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self._check(x, packed)
+        rows, k = x.shape
         n = packed.shape[0] * 16
         if bias is not None:
             require(
@@ -120,6 +147,32 @@ class PairLinear:
             )
         return out
 
+    def silu_and_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:  # [rows, ffn]
+        """SiLU(x @ gate.T) * (x @ up.T) for `packed` a gate_up weight [2 ffn, in] (gate's rows, then
+        up's) from `pack`: the bits of this product followed by the C SiLU-and-multiply
+        (kernels/cpu_fused.py), without writing the [rows, 2 ffn] product. Dot engine only."""
+        if self._silu_function is None:
+            raise ValueError(f"the pair kernel on {self.engine} has no SiLU epilogue (`fuses_silu`)")
+        self._check(x, packed)
+        require(
+            packed.shape[0] % 2 == 0, "packed", packed, "a gate_up weight: gate's and up's strips, as many"
+        )
+        rows, k = x.shape
+        ffn = packed.shape[0] * 8
+        out = torch.empty(rows, ffn, dtype=torch.bfloat16)
+        if rows:
+            self._silu_function(
+                x.data_ptr(),
+                x.stride(0),
+                packed.data_ptr(),
+                out.data_ptr(),
+                rows,
+                ffn,
+                k,
+                torch.get_num_threads(),
+            )
+        return out
+
 
 def load_pair_linear(allow_amx: bool = True) -> PairLinear:
     """Build (or find in the cache) and load the kernel: on AMX tiles where they run (and
@@ -130,9 +183,13 @@ def load_pair_linear(allow_amx: bool = True) -> PairLinear:
             loaded = library.duoserve_pair_linear
             loaded.restype = None
             loaded.argtypes = _ARGTYPES
-            _functions[allow_amx] = (loaded, engine)
-        function, engine = _functions[allow_amx]
-        return PairLinear(function, engine)
+            silu = getattr(library, "duoserve_pair_linear_silu", None)  # the dot engine's
+            if silu is not None:
+                silu.restype = None
+                silu.argtypes = _SILU_ARGTYPES
+            _functions[allow_amx] = (loaded, silu, engine)
+        function, silu, engine = _functions[allow_amx]
+        return PairLinear(function, engine, silu)
 
 
 __all__ = ["MAX_ROWS", "KernelBuildError", "PairLinear", "load_pair_linear", "pack"]

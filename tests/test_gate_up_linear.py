@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 
 import gpu_worker.linear as linear
-from gpu_worker.linear import GateUpLinear, onednn_post_ops_available, packed_linear_available, pair_kernel
+from gpu_worker.linear import (
+    GateUpLinear,
+    onednn_post_ops_available,
+    packed_linear_available,
+    pair_kernel,
+    pair_takes_every_step,
+)
+from kernels.cpu_build import BF16_DOT
+from kernels.cpu_fused import load_cpu_fused_ops
+from kernels.cpu_pair_linear import pack
 from tests.cpu_features import has_avx512_bf16
 
 CPU = torch.device("cpu")
@@ -48,14 +57,14 @@ def test_post_ops_run_here() -> None:
         assert onednn_post_ops_available(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [65, 100, 512])
+@pytest.mark.parametrize("rows", [17, 65, 100, 512])
 def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> None:
     if not onednn_post_ops_available(torch.bfloat16):
         pytest.skip("oneDNN here lacks the post-ops (test_post_ops_run_here says where that fails)")
     weight = weights(rows)
-    lin = GateUpLinear(weight, packed=True, pair=pair_kernel())
+    lin = GateUpLinear(weight, packed=True)  # no pair-layout kernel: oneDNN takes every step
     x = inputs(rows, rows + 1)
-    out = lin.silu_and_mul(x, refuse)
+    out = lin.silu_and_mul(x, refuse, c_rounding=True)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, FFN)
     # float32 sums of exact bfloat16 products; the SiLU'd gate and the product each round to bfloat16.
     torch.testing.assert_close(out.float(), reference(x, weight), rtol=2e-2, atol=2e-2)
@@ -65,12 +74,23 @@ def test_steps_for_onednn_fuse_silu_and_mul_into_the_multiplies(rows: int) -> No
     assert ours <= theirs * 1.1
 
 
-@pytest.mark.parametrize("rows", [1, 2, 17, 64])
+def test_steps_past_64_rows_take_the_pair_kernel_only_on_its_dot_products() -> None:
+    pair = pair_kernel()
+    if pair is None:
+        pytest.skip("no pair-layout linear on this CPU: oneDNN takes every step (the test above)")
+    lin = GateUpLinear(weights(0), packed=True, pair=pair)
+    assert lin.takes_own_kernel(inputs(64, 0))
+    assert lin.takes_own_kernel(inputs(65, 0)) == pair_takes_every_step(pair) == (pair.engine == BF16_DOT)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 17, 64, 65, 300])
 def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
     pair = pair_kernel()
     if pair is None:
         pytest.skip("no pair-layout linear on this CPU: oneDNN takes every step (the test above)")
     lin = GateUpLinear(weights(rows), packed=True, pair=pair)
+    if not lin.takes_own_kernel(inputs(rows, 0)):
+        pytest.skip(f"{rows} rows take oneDNN on the pair kernel's {pair.engine} engine")
     x = inputs(rows, rows)
     seen = []
 
@@ -82,6 +102,26 @@ def test_steps_for_duoserves_own_kernels_take_the_fallback(rows: int) -> None:
     assert len(seen) == 1 and seen[0].shape == (rows, 2 * FFN)
     assert torch.equal(seen[0], pair(x, lin.pair_weight))
     assert torch.equal(out, fused_op(seen[0]))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 65, 300])
+def test_the_pair_kernels_dot_products_end_in_the_c_silu_and_mul_to_the_bit(rows: int) -> None:
+    """Where `fallback` is the C SiLU-and-multiply (c_rounding), the dot-product engine runs it in
+    the product's epilogue: the same bits, the [rows, 2 ffn] projection never written. Rows in
+    blocks of six; SmolLM2's 96 gate strips, two a block, and odd counts of strips below."""
+    pair = pair_kernel()
+    if pair is None or not pair.fuses_silu:
+        pytest.skip("the SiLU epilogue is the AVX-512 BF16 dot products' (AMX tiles take the fallback)")
+    c_silu = load_cpu_fused_ops(torch.bfloat16).silu_and_mul
+    lin = GateUpLinear(weights(rows), packed=True, pair=pair)
+    x = inputs(rows, rows)
+    assert torch.equal(lin.silu_and_mul(x, refuse, c_rounding=True), c_silu(pair(x, lin.pair_weight)))
+    for ffn in (16, 48, 80):  # 1, 3 and 5 strips of gate
+        weight = weights(ffn)[: 2 * ffn]
+        packed = pack(weight)
+        assert torch.equal(pair.silu_and_mul(x, packed), c_silu(pair(x, packed)))
+    with pytest.raises(ValueError, match="packed"):
+        pair.silu_and_mul(x, pack(weights(1)[:48]))  # three strips: not gate's and up's alike
 
 
 @pytest.mark.parametrize("rows", [3, 64, 65, 300])
@@ -97,9 +137,9 @@ def test_the_whole_projection_is_still_there(rows: int) -> None:
 
 def test_without_the_post_ops_onednn_steps_take_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(linear, "_post_ops", {torch.float32: False, torch.bfloat16: False})
-    lin = GateUpLinear(weights(0), packed=True, pair=pair_kernel())
+    lin = GateUpLinear(weights(0), packed=True)
     x = inputs(100, 0)
-    assert torch.equal(lin.silu_and_mul(x, fused_op), fused_op(lin(x)))
+    assert torch.equal(lin.silu_and_mul(x, fused_op, c_rounding=True), fused_op(lin(x)))
 
 
 def test_unpacked_weights_take_f_linear_and_the_fallback() -> None:

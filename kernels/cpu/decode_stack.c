@@ -6,7 +6,8 @@
  * Python, eight per layer. This runs the same kernels the per-op path calls, in the same order,
  * on the same buffers: the pair-layout linear (qkv, o, gate_up, down) on weights packed by
  * kernels/cpu_pair_linear.py, rotary, the KV write, paged decode attention, residual add +
- * RMSNorm and SiLU-and-multiply. So its results are those of the per-op path, bit for bit. Two kinds of
+ * RMSNorm and SiLU-and-multiply (on the pair kernel's dot products, in gate_up's epilogue, as the
+ * per-op path runs it there). So its results are those of the per-op path, bit for bit. Two kinds of
  * build, by kernels/cpu_stack.py, with the attention shape fixed (-DHEAD_DIM, -DGROUP, -DBLOCK):
  *   bfloat16 (-DELEM_BF16=1): the pair-layout linear on weights packed by
  *     kernels/cpu_pair_linear.py, on the per-op path's engine (AMX tiles, or AVX-512 BF16 dot
@@ -135,6 +136,9 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
                                         num_threads);
         LINEAR(layer, o, attn, q_size, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->post_norm, x, rows, hidden, step->eps, num_threads);
+#if !BLOCK_LINEAR && !USE_AMX /* the dot products end gate_up in the SiLU and multiply: the same bits */
+        duoserve_pair_linear_silu(x, hidden, (const uint16_t *)layer->gate_up, act, rows, ffn, hidden, num_threads);
+#else
 #if BLOCK_LINEAR
         if (layer->up_part != NULL) {
             PART(layer->gate_up, layer->gate_up_type, x, hidden, (const elem_t *)NULL, gate_up, 2 * ffn, 0, rows, ffn,
@@ -145,6 +149,7 @@ int64_t duoserve_decode_stack(const duoserve_layer *layers, int64_t num_layers, 
 #endif
             LINEAR(layer, gate_up, x, hidden, NULL, gate_up, rows, 2 * ffn, num_threads);
         duoserve_silu_and_mul(gate_up, act, rows, ffn, num_threads);
+#endif
         LINEAR(layer, down, act, ffn, NULL, out, rows, hidden, num_threads);
         duoserve_add_rms_norm(out, residual, layer->next_norm, x, rows, hidden, step->eps, num_threads);
         if (stop && *stop) return l + 1;

@@ -96,18 +96,6 @@ void duoserve_rms_norm(const elem_t *x, const elem_t *weight, elem_t *out, int64
     }
 }
 
-#if NATIVE_BF16
-/* silu above on 16 lanes, step for step (exp_nonpositive's polynomial and scaling included). */
-static inline __m512 silu16(__m512 x)
-{
-    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 minus_abs = _mm512_mask_mov_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), negative, x);
-    const __m512 e = exp16_nonpositive(minus_abs); /* exp(-|x|) */
-    const __m512 numerator = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), negative, e);
-    return _mm512_mul_ps(x, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-}
-#endif
-
 /* out[t] = round(round(silu(gate[t])) * up[t]) for gate_up[t] = [gate | up], each ffn wide. */
 void duoserve_silu_and_mul(const elem_t *gate_up, elem_t *out, int64_t rows, int64_t ffn, int num_threads)
 {
