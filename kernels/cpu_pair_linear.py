@@ -17,8 +17,8 @@ weights from memory:
 With AMX the worker sends batches past MAX_ROWS to oneDNN, which is as fast or faster there on
 prefill chunks; the dot products take prefill chunks too (gpu_worker/linear.py's
 pair_takes_every_step), and on them a gate_up weight's product can end in the MLP's SiLU and
-multiply (`PairLinear.silu_and_mul`). Where the CPU has neither engine, `load_pair_linear` raises `KernelBuildError` and oneDNN takes
-every batch.
+multiply (`PairLinear.silu_and_mul`). Where the CPU has neither engine, `load_pair_linear` raises
+`KernelBuildError` and oneDNN takes every batch.
 """
 
 from __future__ import annotations

@@ -233,24 +233,37 @@ static void any_dot_block(const uint16_t *x, int64_t x_stride, const uint16_t *c
     }
 }
 
+/*
+ * y [rows, n] for the `n` / 16 strips from `packed` on: each thread takes an equal run of them,
+ * walked 4 at a time, each over all rows in blocks of six. With `silu` (gate_up), the strips walked
+ * are gate's, 2 at a time, each beside the up strip n / 16 strips on (any_dot_block's SILU).
+ */
+static void walk_strips(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
+                        uint16_t *y, int64_t rows, int64_t n, int64_t k, int num_threads, int silu)
+{
+    const int64_t strips = n / 16, pairs = k / 2, step = silu ? 2 : 4;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t first = strips * me / threads, last = strips * (me + 1) / threads;
+        for (int64_t s0 = first; s0 < last; s0 += step) {
+            const int count = (int)(last - s0 < step ? last - s0 : step);
+            const uint16_t *strip[4];
+            for (int s = 0; s < count; s++) {
+                strip[s] = packed + (s0 + s) * pairs * 32;
+                if (silu) strip[count + s] = packed + (strips + s0 + s) * pairs * 32;
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += 6)
+                any_dot_block(x + r0 * x_stride, x_stride, strip, pairs, bias ? bias + s0 * 16 : NULL, y + r0 * n + s0 * 16,
+                              n, (int)(rows - r0 < 6 ? rows - r0 : 6), silu ? 2 * count : count, silu);
+        }
+    }
+}
+
 void duoserve_pair_linear(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const uint16_t *bias,
                             uint16_t *y, int64_t rows, int64_t n, int64_t k, int num_threads)
 {
-    const int64_t strips = n / 16, pairs = k / 2;
-#pragma omp parallel num_threads(num_threads)
-    {
-        /* An equal run of strips per thread, walked 4 at a time, each over all rows. */
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = strips * me / threads, last = strips * (me + 1) / threads;
-        for (int64_t s0 = first; s0 < last; s0 += 4) {
-            const int count = (int)(last - s0 < 4 ? last - s0 : 4);
-            const uint16_t *strip[4];
-            for (int s = 0; s < 4; s++) strip[s] = packed + (s0 + s) * pairs * 32;
-            for (int64_t r0 = 0; r0 < rows; r0 += 6)
-                any_dot_block(x + r0 * x_stride, x_stride, strip, pairs, bias ? bias + s0 * 16 : NULL, y + r0 * n + s0 * 16,
-                              n, (int)(rows - r0 < 6 ? rows - r0 : 6), count, 0);
-        }
-    }
+    walk_strips(x, x_stride, packed, bias, y, rows, n, k, num_threads, 0);
 }
 
 /*
@@ -258,27 +271,11 @@ void duoserve_pair_linear(const uint16_t *x, int64_t x_stride, const uint16_t *p
  * rounds it, to the bit: y [rows, ffn] from x [rows, k] and `packed`, a gate_up weight [2 ffn, k]
  * (gate's rows, then up's) packed whole by kernels/cpu_pair_linear.py. The [rows, 2 ffn] product
  * is never written: each gate strip's sums meet those of the up strip ffn / 16 strips on, in
- * registers. Each thread takes an equal run of gate strips, two at a time.
+ * registers.
  */
 void duoserve_pair_linear_silu(const uint16_t *x, int64_t x_stride, const uint16_t *packed, uint16_t *y, int64_t rows,
                                int64_t ffn, int64_t k, int num_threads)
 {
-    const int64_t strips = ffn / 16, pairs = k / 2;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-        const int64_t first = strips * me / threads, last = strips * (me + 1) / threads;
-        for (int64_t s0 = first; s0 < last; s0 += 2) {
-            const int count = (int)(last - s0 < 2 ? last - s0 : 2);
-            const uint16_t *strip[4];
-            for (int s = 0; s < count; s++) {
-                strip[s] = packed + (s0 + s) * pairs * 32;
-                strip[count + s] = packed + (strips + s0 + s) * pairs * 32;
-            }
-            for (int64_t r0 = 0; r0 < rows; r0 += 6)
-                any_dot_block(x + r0 * x_stride, x_stride, strip, pairs, NULL, y + r0 * ffn + s0 * 16, ffn,
-                              (int)(rows - r0 < 6 ? rows - r0 : 6), 2 * count, 1);
-        }
-    }
+    walk_strips(x, x_stride, packed, NULL, y, rows, ffn, k, num_threads, 1);
 }
 #endif
