@@ -239,10 +239,12 @@ class Linear:
         self.weight = weight
         self.bias = bias
         self.packed = packed
-        self._onednn_weight = self._pack_for_onednn() if packed else None
         self._plain_bias = None if bias is None else bias.contiguous()
         self._pair = pair if packed and pair is not None and pair.supports(weight) else None
         self.pair_weight = cpu_pair_linear.pack(weight) if self._pair is not None else None
+        # Where the pairs take every step oneDNN takes none, and needs no packed copy.
+        self.pair_every_step = self._pair is not None and pair_takes_every_step(self._pair)
+        self._onednn_weight = self._pack_for_onednn() if packed and not self.pair_every_step else None
         self.blocks: Blocks | None = None
         self._block: BlockLinear | None = None
         # A weight that is its own blocks reads as many bytes as its pair layout: only where the
@@ -312,12 +314,16 @@ class Linear:
         """True when a step of x's rows runs on duoserve's pair-layout kernel, not oneDNN: up to
         cpu_pair_linear.MAX_ROWS rows on AMX tiles, every step on the dot products
         (`pair_takes_every_step`)."""
-        if self._pair is None or x.stride(-1) != 1 or x.shape[0] < 1:
+        if self._pair is None:
             return False
-        return pair_takes_every_step(self._pair) or x.shape[0] <= cpu_pair_linear.MAX_ROWS
+        if self.pair_every_step:
+            return True
+        return x.stride(-1) == 1 and 1 <= x.shape[0] <= cpu_pair_linear.MAX_ROWS
 
     def _own_kernel(self, x: torch.Tensor) -> torch.Tensor:
         assert self._pair is not None and self.pair_weight is not None
+        if x.stride(-1) != 1:  # the kernel reads each row's elements side by side
+            x = x.contiguous()
         return self._pair(x, self.pair_weight, self._plain_bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
@@ -345,11 +351,12 @@ class GateUpLinear(Linear):
     ) -> None:
         super().__init__(weight, None, packed, pair, blocks, self_blocks)
         # Switched off per instance to compare with the fused op (bench/cpu_step.py).
-        self.post_ops = self.packed and onednn_post_ops_available(weight.dtype)
+        onednn = self.packed and not self.pair_every_step
+        self.post_ops = onednn and onednn_post_ops_available(weight.dtype)
         half = weight.shape[0] // 2
         self._gate: torch.Tensor | None = None
         self._up: torch.Tensor | None = None
-        if self.packed:
+        if onednn:
             self._gate = torch.ops.mkldnn._reorder_linear_weight(
                 weight[:half].contiguous(), PACKING_BATCH_HINT
             )
@@ -373,7 +380,7 @@ class GateUpLinear(Linear):
         if self.takes_own_kernel(x):
             assert self._pair is not None and self.pair_weight is not None
             if c_rounding and self._pair.fuses_silu:
-                return self._pair.silu_and_mul(x, self.pair_weight)
+                return self._pair.silu_and_mul(x if x.stride(-1) == 1 else x.contiguous(), self.pair_weight)
             return fallback(self(x))
         if not self.post_ops:
             return fallback(self(x))

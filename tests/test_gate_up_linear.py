@@ -124,6 +124,28 @@ def test_the_pair_kernels_dot_products_end_in_the_c_silu_and_mul_to_the_bit(rows
         pair.silu_and_mul(x, pack(weights(1)[:48]))  # three strips: not gate's and up's alike
 
 
+def test_where_the_pairs_take_every_step_onednn_takes_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the dot products the pair kernel takes every step, strided and empty inputs too, so no
+    oneDNN copy of the weight is packed (a bfloat16 copy of every linear less)."""
+    pair = pair_kernel()
+    if pair is None or not pair_takes_every_step(pair):
+        pytest.skip("with AMX tiles (or no pair kernel) oneDNN takes steps past 64 rows")
+
+    def refuse_onednn(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("oneDNN ran where the pairs take every step")
+
+    monkeypatch.setattr(linear, "_onednn_linear", refuse_onednn)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_onednn)
+    weight = weights(5)
+    lin = GateUpLinear(weight, packed=True, pair=pair)
+    assert lin.pair_every_step and not lin.post_ops
+    c_silu = load_cpu_fused_ops(torch.bfloat16).silu_and_mul
+    for x in (inputs(300, 5), inputs(7, 5).T.contiguous().T, inputs(0, 5)):  # 300 rows, strided, empty
+        assert torch.equal(lin(x), pair(x.contiguous(), lin.pair_weight))
+        assert torch.equal(lin.silu_and_mul(x, refuse, c_rounding=True), c_silu(lin(x)))
+    assert lin(inputs(0, 5)).shape == (0, 2 * FFN)
+
+
 @pytest.mark.parametrize("rows", [3, 64, 65, 300])
 def test_the_whole_projection_is_still_there(rows: int) -> None:
     # oneDNN packs gate and up apart; calling the linear gives both side by side on every path.
