@@ -141,7 +141,7 @@ def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]
         out[name] = {label: [] for label in PREFILL_CONFIGS}
         for _ in range(2):
             for label, (own_attention, post_ops) in PREFILL_CONFIGS.items():
-                if kernel is None and own_attention:
+                if (kernel is None and own_attention) or (post_ops and pairs_take_prefill(model)):
                     continue
                 attention.prefill_kernel = kernel if own_attention else None
                 for layer in model.layers:
@@ -149,6 +149,14 @@ def prefill_steps(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]
                     layer.gate_up.post_ops = post_ops and onednn_post_ops_available(torch.bfloat16)
                 out[name][label].append(median_ms(partial(model, batch, kv), max(3, repeats // 4)))
     return out
+
+
+def pairs_take_prefill(model: LlamaModel) -> bool:
+    """True where the pair kernel's dot products take prefill steps (gpu_worker/linear.py's
+    pair_takes_every_step): gate_up then ends in the SiLU itself, and oneDNN's post-ops never run."""
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer)
+    return layer.gate_up.pair_every_step
 
 
 def linears(path: Path, repeats: int) -> dict[str, dict[str, float]]:
@@ -214,6 +222,11 @@ def main() -> int:
     for name, runs in prefill.items():
         cells = [" / ".join(f"{ms:.1f}" for ms in runs[label]) or "n/a" for label in PREFILL_CONFIGS]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if all(not runs["C attention + MLP post-ops"] for runs in prefill.values()):
+        print(
+            "# post-ops n/a: the pair kernel's dot products take prefill steps here, gate_up ending in"
+            " the SiLU (the fused-op columns), or the C attention did not build"
+        )
     layers = linears(path, args.repeats)
     print("\n| four linears x all layers | " + " | ".join(next(iter(layers.values()))) + " |")
     print("|---|" + "---|" * len(next(iter(layers.values()))))
