@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_worker.worker import HEARTBEAT_INTERVAL_S
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,5 +40,14 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     assert report["failures"] == []
     assert sum(report["outcomes"].values()) == 16  # every request accounted for
     assert report["outcomes"].get("completed", 0) > 0
-    assert 1.5 < report["noticed_s"] < 6.0  # --worker-timeout 2
+    # The scheduler learns of the killed worker whichever way comes first: its heartbeats stop for
+    # --worker-timeout 2 s (counted from the last one, up to an interval before the kill), or the
+    # replacement that `serve` starts says Hello in its place, which on a fast machine it can do
+    # sooner (seen: 1.45 s after the kill).
+    lost = (tmp_path / "server.log").read_text()
+    if "connected in its place" in lost:
+        assert 0.0 < report["noticed_s"] < 6.0
+    else:
+        assert "the worker was lost: no heartbeat" in lost
+        assert 2.0 - HEARTBEAT_INTERVAL_S <= report["noticed_s"] < 6.0
     assert report["outage_s"] > report["noticed_s"]
