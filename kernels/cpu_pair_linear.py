@@ -51,17 +51,8 @@ _ARGTYPES: list[Any] = [
     ctypes.c_int64,
     ctypes.c_int,
 ]
-# duoserve_pair_linear_silu(x, x_stride, packed gate_up weight, y, rows, ffn, k, threads)
-_SILU_ARGTYPES: list[Any] = [
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_void_p,
-    ctypes.c_void_p,
-    ctypes.c_int64,
-    ctypes.c_int64,
-    ctypes.c_int64,
-    ctypes.c_int,
-]
+# duoserve_pair_linear_silu(x, x_stride, packed gate_up weight, y, rows, ffn, k, threads): no bias
+_SILU_ARGTYPES: list[Any] = _ARGTYPES[:3] + _ARGTYPES[4:]
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
