@@ -14,7 +14,7 @@ Linears keep their weights as the model's files store them (a GGUF file's blocks
 where `blocks_take` says so (float32 on the CPU, and bfloat16 on CPUs that cannot multiply
 bfloat16), and multiply on them: see kernels/cpu_block_linear.py. On CPUs that multiply bfloat16
 with AVX-512 BF16, bfloat16 linears keep the blocks beside their bfloat16 weights for steps of
-one or two rows (`small_steps_take_blocks`). In bfloat16 there, a weight
+up to SMALL_STEP_ROWS rows (`small_steps_take_blocks`). In bfloat16 there, a weight
 without quantized blocks multiplies on itself. A weight the worker never read from the files (a
 shape on the "meta" device) multiplies on its blocks at every step: a float32 server then holds
 the blocks alone, not float32 and oneDNN-packed copies beside them.
@@ -70,9 +70,12 @@ def cpu_multiplies_bfloat16() -> bool:
 # two rows reads 96 MB of blocks instead of 269 MB of bfloat16 weights. On a 2-core Zen 5 the
 # 256-bit dot products lost (5.6 against 5.1 at one row, 5.8 against 5.4 at two); since the blocks'
 # 512-bit path (kernels/cpu/block_linear.c, dot_pass_512) they win there, 5.6-5.7 against 7.7-8.5 at
-# one or two rows and 5.1-6.8 against 7.6-9.3 at three to six in one run. Steps of three to six stay
-# on the pairs until that is measured on Zen 4, where 512-bit operations take two passes.
-SMALL_STEP_ROWS = 2
+# one or two rows and 5.1-6.8 against 7.6-9.3 at three to six in one run. On Zen 4, where 512-bit
+# operations take two passes, that path won at up to four rows and lost past them: 7.3-8.0 against
+# 8.9-9.6 at one to three, 8.6-9.1 against 9.2-9.7 at four, 9.4-10.4 against 9.2-9.7 at five and
+# six (three runs); a whole decode step of three sequences 1.17x faster on the blocks, of four 1.08x,
+# of five and six 0.80-0.83x (bench/results/issue4-zen4-session44.md). Four serves both.
+SMALL_STEP_ROWS = 4
 
 
 def small_steps_take_blocks(dtype: torch.dtype, device: torch.device) -> bool:

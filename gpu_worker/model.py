@@ -278,7 +278,7 @@ class LlamaModel(nn.Module):
         (from `load_block_weights`, the same files'; None: no block kernel) lets CPU linears take the
         block kernel where `blocks_take` (gpu_worker/linear.py) says so; in bfloat16 there, every
         linear without quantized blocks multiplies on its own weight on it. Where the CPU multiplies
-        bfloat16, steps of one or two rows take the quantized blocks (`small_steps_take_blocks`). Weights left unread
+        bfloat16, steps of up to SMALL_STEP_ROWS rows take the quantized blocks (`small_steps_take_blocks`). Weights left unread
         (`load_model`'s `shape_only`, chosen from `blocks_only_weights`) are held as shapes only
         and their linears multiply on the blocks at every step."""
 

@@ -101,7 +101,7 @@ def choose_blocks_only(
     """The weights to hold as their blocks alone, not read as dense tensors (--dense-weights).
     `keep`: none. `drop`: every weight whose linear can multiply on blocks alone. `auto`: those
     in bfloat16 where the blocks take every step (`blocks_take`: dense copies would go unused;
-    where the CPU multiplies bfloat16 they take steps of one or two rows, and the pair-layout and
+    where the CPU multiplies bfloat16 they take steps of up to SMALL_STEP_ROWS rows, and the pair-layout and
     oneDNN kernels the others, on the dense copies); in float32
     (where dense copies take steps of more than BLOCK_MAX_ROWS rows, as fast or faster there),
     those too once their float32 copies (and oneDNN's packed ones, where it runs) would take more
@@ -232,7 +232,7 @@ def make_attention(
     if fused is not None and small_steps_take_blocks(dtype, device):
         kernel_for_blocks = block_kernel(dtype)
         if kernel_for_blocks is not None and kernel_for_blocks.dot_products:
-            try:  # decode steps of one or two sequences, on the blocks' dot products
+            try:  # small decode steps, on the blocks' dot products
                 small_stack = decode_stack(blocks=True)
                 log.info(
                     "decode steps of up to %d sequences run on the blocks' dot products", SMALL_STEP_ROWS

@@ -129,7 +129,7 @@ class BlockLinear:
     @property
     def dot_products(self) -> bool:
         """True where the bfloat16 build's streaming path (1-6 rows) multiplies on AVX-512 BF16 dot
-        products, which makes the blocks faster than the pair-layout kernel at 1-2 rows (see
+        products, which makes the blocks faster than the pair-layout kernel at 1-4 rows (see
         gpu_worker/linear.py's SMALL_STEP_ROWS). Builds the bfloat16 library if it is not loaded."""
         library = self.library if self.library is not None else _library(torch.bfloat16)
         query = getattr(library, "duoserve_block_linear_bf16_dot_products", None)

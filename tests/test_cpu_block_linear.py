@@ -495,7 +495,7 @@ def test_bfloat16_linears_take_blocks_where_the_cpu_cannot_multiply_bfloat16(ker
 
 @pytest.mark.skipif(
     not small_steps_take_blocks(torch.bfloat16, torch.device("cpu")),
-    reason="bfloat16 steps of one or two rows take the blocks on CPUs with AVX-512 BF16 and no AMX",
+    reason="small bfloat16 steps take the blocks on CPUs with AVX-512 BF16 and no AMX",
 )
 @pytest.mark.parametrize("type_", [Q4_1, Q8_0, Q6_K])
 def test_bfloat16_steps_of_one_or_two_rows_take_the_blocks_dot_products(

@@ -170,14 +170,14 @@ def test_on_an_int8_cache_the_stack_computes_the_per_op_forward_bit_for_bit(
 
 @pytest.mark.skipif(
     not small_steps_take_blocks(torch.bfloat16, CPU),
-    reason="bfloat16 steps of one or two rows take the blocks on CPUs with AVX-512 BF16 and no AMX",
+    reason="small bfloat16 steps take the blocks on CPUs with AVX-512 BF16 and no AMX",
 )
 def test_small_bfloat16_steps_take_the_block_stack_and_the_others_the_pairs(
     smollm2: tuple[ModelConfig, dict[str, torch.Tensor], dict[str, BlockWeight]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where the CPU multiplies bfloat16 with AVX-512 BF16, a bfloat16 model keeps its linears'
-    blocks beside the pair layouts: decode steps of one or two sequences run on the block stack
+    blocks beside the pair layouts: decode steps of up to SMALL_STEP_ROWS sequences run on the block stack
     (the blocks' dot products), larger ones on the pair-layout stack, each bit for bit the per-op
     path, whose linears choose the same kernels by the step's rows."""
     config, weights, block_weights = smollm2

@@ -343,7 +343,7 @@ static void stream_rows(
  * order of the additions. Half the instructions of rounding each weight and multiplying x widened
  * to float32: SmolLM2's Q4_1 linears and Q8_0 head at one row 6.95 ms against 9.88 on a 2-core
  * Zen 4 (1.42x; 1.32-1.42x at 2-6 rows), and against the pair-layout kernel's 9.0 on the model's
- * bfloat16 copy (gpu_worker/linear.py takes it for steps of 1-2 rows there). On an Intel Xeon
+ * bfloat16 copy (gpu_worker/linear.py takes it for steps of up to SMALL_STEP_ROWS rows there). On an Intel Xeon
  * with AMX the same: 1.05-1.14x at 1-2 rows but 0.89-0.96x at 4-6, where the dot products, not
  * the bytes, set the pace; kernels/cpu_block_linear.py sets dot_rows to 2 on such CPUs.
  */
