@@ -38,7 +38,7 @@ import torch
 
 from kernels._launch import require
 from kernels.block_weights import BlockRows, Blocks, BlockWeight
-from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load
+from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load, splits_512_bit_operations
 
 MAX_ROWS = 256  # in float32 the worker takes oneDNN past this, past 64 with AVX-512 (gpu_worker/linear.py)
 DTYPES = (torch.float32, torch.bfloat16)  # of x, the bias and y
@@ -232,10 +232,18 @@ def dot_rows() -> int:
     return DOT_ROWS_WITH_AMX if cpu_has("amx_bf16") else STREAM_ROWS
 
 
-def open_library(dtype: torch.dtype, sources: Path = SOURCES) -> ctypes.CDLL:
+def open_library(dtype: torch.dtype, sources: Path = SOURCES, float32_512: bool | None = None) -> ctypes.CDLL:
     """The library built from `sources` (another revision's kernels/cpu, for a benchmark's A/B)
-    for x in `dtype`, its codebooks handed over and its entries typed."""
-    library = load(build("block_linear.c", {"BFLOAT16": int(dtype == torch.bfloat16)}, sources))
+    for x in `dtype`, its codebooks handed over and its entries typed. `float32_512`: whether the
+    float32 build streams Q4_0, Q4_1 and Q8_0 on 512-bit registers where the CPU has AVX-512 BW
+    (block_linear.c's pass_512); by default unless the CPU splits 512-bit operations in two
+    (Zen 4, where that path was 0.91-0.94x the 256-bit one)."""
+    if dtype == torch.bfloat16:
+        defines = {"BFLOAT16": 1}
+    else:
+        wide = not splits_512_bit_operations() if float32_512 is None else float32_512
+        defines = {"BFLOAT16": 0, "FLOAT32_PASS_512": int(wide)}
+    library = load(build("block_linear.c", defines, sources))
     tables = codebook_tables()
     library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)
     library.duoserve_block_linear_use_codebooks(*(table.ctypes.data for table in tables))

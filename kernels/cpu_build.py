@@ -66,6 +66,26 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_identity().split()
 
 
+def splits_512_bit_operations(cpuinfo: str | None = None) -> bool:
+    """True on a CPU that runs each 512-bit vector operation as two 256-bit halves: AMD's with
+    AVX-512 and family 25 (Zen 4). Zen 5 (family 26) and Intel's Xeons run them whole.
+    `cpuinfo`: /proc/cpuinfo's text (by default, read here)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():  # the first processor's
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    return (
+        fields.get("vendor_id") == "AuthenticAMD"
+        and fields.get("cpu family") == "25"
+        and "avx512f" in fields.get("flags", "").split()
+    )
+
+
 def cache_dir() -> Path:
     if configured := os.environ.get("DUOSERVE_KERNEL_CACHE"):
         return Path(configured)

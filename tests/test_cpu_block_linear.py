@@ -300,6 +300,32 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
         assert torch.equal(kernel(x[:rows], weight), want[:rows])
 
 
+@pytest.mark.skipif(not cpu_has("avx512bw"), reason="the float32 512-bit path needs AVX-512 BW")
+@pytest.mark.parametrize("type_", [Q4_0, Q4_1, Q8_0])
+def test_float32_streams_the_same_values_on_either_register_width(type_: int) -> None:
+    """The float32 build streams Q4_0, Q4_1 and Q8_0 on 512-bit registers or, where the CPU splits
+    those in two (FLOAT32_PASS_512=0), on 256-bit ones: both builds, whichever this CPU takes,
+    give each weight as the gguf package dequantizes it, and products equal to float32 rounding."""
+    k = whole(type_, 576)
+    weight = block_weight(type_, 40, k, seed=7 * type_)
+    picked = torch.arange(0, k, 5)
+    x = torch.zeros(len(picked), k)
+    x[torch.arange(len(picked)), picked] = 1.0
+    want = weight.dequantize()[:, picked].T
+    gen = torch.Generator().manual_seed(type_)
+    dense = torch.randn(STREAM_ROWS, k, generator=gen)
+    sums = {}
+    for wide in (True, False):
+        kernel = BlockLinear(open_library(torch.float32, float32_512=wide))
+        for rows in range(1, STREAM_ROWS + 1):
+            assert torch.equal(kernel(x[:rows], weight), want[:rows])
+        sums[wide] = kernel(dense, weight)
+        torch.testing.assert_close(
+            sums[wide].double(), dense.double() @ weight.dequantize().double().T, rtol=1e-5, atol=1e-5
+        )
+    assert not torch.equal(sums[True], sums[False])  # two paths: the additions in other orders
+
+
 @pytest.mark.parametrize("type_", sorted(TYPES))
 def test_bfloat16_steps_of_two_rows_take_each_weight_as_the_bfloat16_copy_holds_it(
     kernel: BlockLinear, type_: int

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from kernels.cpu_build import splits_512_bit_operations
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent(
@@ -54,3 +56,20 @@ def test_loading_a_kernel_keeps_subnormal_floats() -> None:
     assert result.returncode == 0, result.stderr
     # Every CPU CI runs on builds at least the block linear (AVX2, FMA, F16C) and the fused ops.
     assert {"block linear", "fused ops"} <= set(result.stdout.strip().split(","))
+
+
+def cpuinfo(vendor: str, family: int, flags: str) -> str:
+    """Two processors' lines of /proc/cpuinfo, the second's family different (only the first counts)."""
+    one = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {{}}\nflags\t\t: {flags}\n"
+    return one.format(0, family) + "\n" + one.format(1, family + 1)
+
+
+def test_zen_4_alone_splits_512_bit_operations() -> None:
+    """The CPUs whose 512-bit operations run as two halves: AMD's family 25 with AVX-512 (Zen 4),
+    not Zen 3 (no AVX-512), Zen 5 or Intel's."""
+    avx512 = "fpu sse avx2 avx512f avx512bw avx512_bf16"
+    assert splits_512_bit_operations(cpuinfo("AuthenticAMD", 25, avx512))
+    assert not splits_512_bit_operations(cpuinfo("AuthenticAMD", 25, "fpu sse avx2 fma"))
+    assert not splits_512_bit_operations(cpuinfo("AuthenticAMD", 26, avx512))
+    assert not splits_512_bit_operations(cpuinfo("GenuineIntel", 6, avx512 + " amx_bf16"))
+    assert not splits_512_bit_operations("")

@@ -54,6 +54,11 @@
 #ifndef BFLOAT16
 #define BFLOAT16 0
 #endif
+/* FLOAT32_PASS_512=0: float32 streams every type on 256-bit registers (kernels/cpu_block_linear.py
+ * sets it where the CPU splits 512-bit operations in two; see pass_512). */
+#ifndef FLOAT32_PASS_512
+#define FLOAT32_PASS_512 1
+#endif
 
 /* Runs CALL(T, B) with T the constant equal to `type` (one of the twenty-five) and B the build's
  * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
@@ -196,7 +201,10 @@ static inline int widens_512(int type)
  * one or two rows (two groups at a time), two past that. On a 2-core AMD EPYC (Zen 5), SmolLM2's
  * Q4_1 linears and Q8_0 head against the 256-bit path (bench/block_linear_ab.py, medians of 40 in
  * one run): one row 5.43 ms against 6.03, two 6.19 against 6.57, three 6.91 against 7.80, six
- * 10.17 against 11.63.
+ * 10.17 against 11.63. On Zen 4, which runs each 512-bit operation as two 256-bit halves, it lost:
+ * 6.46 against 6.05 at one row, 7.73 against 7.04 at two, 13.26 against 12.32 at six (the same
+ * benchmark), and widening each Q4 weight by conversion instead of lookup lost more (6.71-6.96 at
+ * one row); there float32 keeps the 256-bit path (FLOAT32_PASS_512=0).
  */
 static inline __attribute__((always_inline)) void pass_512(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
@@ -242,7 +250,7 @@ static inline __attribute__((always_inline)) void pass(
     const float *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
     int64_t n, float bias, const int type, const int bf16, const int rows)
 {
-#if PASS_512
+#if PASS_512 && FLOAT32_PASS_512
     if (!bf16 && rows <= STREAM_ROWS && widens_512(type)) {
         pass_512(x, x_stride, blocks, row, y, y_stride, n, bias, type, rows);
         return;
@@ -383,8 +391,8 @@ static inline __attribute__((always_inline)) __m512bh group_bf16(const uint8_t *
  * (bench/block_linear_ab.py --dtype bfloat16, medians of 40 in one run): one row 3.62 ms against
  * 4.91, two 3.91 against 5.47, three 4.34 against 6.89, six 5.75 against 8.46. With the blocks in
  * the cache one row took as long per byte, so the widening, not the memory, still sets the pace.
- * Not measured on Zen 4, whose 512-bit operations take two passes: by count of 256-bit passes
- * this path still does a little less there.
+ * On Zen 4, whose 512-bit operations take two passes, it still won from two rows: 1.08x at two,
+ * 1.17-1.21x at three to six, and tied at one (7.19 against 7.18 ms).
  */
 static inline __attribute__((always_inline)) void dot_pass_512(
     const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
