@@ -22,7 +22,9 @@
  *   twelve, where 16-row tiles took 29.5 for any of 7 to 16 (bench/block_linear_ab.py); at k =
  *   1024 and 12 rows the tiles were faster (0.78-0.85x). With AVX-512 BW, Q4_0, Q4_1 and Q8_0
  *   stream up to STREAM_ROWS rows on 512-bit registers instead (pass_512, dot_pass_512), each Q4
- *   weight looked up among its block's 16 values.
+ *   weight looked up among its block's 16 values; on bfloat16 dot products IQ4_NL, MXFP4, Q4_K,
+ *   Q5_K and IQ4_XS too (dot_pass_512, dot_pass_super_512), each weight looked up among its
+ *   group's values.
  * - more (larger decode batches, prefill chunks): the multiplies set the time; the tiled path
  *   below widens panels of weight rows into cache and multiplies in register tiles of 16 rows.
  *   A tail of up to STREAM_ROWS rows past whole tiles is streamed instead.
@@ -357,35 +359,62 @@ static void stream_rows(
  */
 #if PASS_512
 #define DOT_512 1
-/*
- * A group of Q4_0 or Q4_1 as 32 bfloat16 weights in one 512-bit register, looked up by nibble: the
- * block's 16 values (q4_values) rounded to bfloat16 once, as the packing below rounds them, then
- * vpermw picks each weight's. So each weight is the very value of the 256-bit path.
- */
-static inline __attribute__((always_inline)) __m512bh lookup_q4_group(const uint8_t *block, const int type)
+/* The 32 weights of a group whose 16 quant bytes hold weights 0..15 in their low nibbles and 16..31
+ * in their high ones (Q4_0, Q4_1, IQ4_NL, MXFP4, IQ4_XS), as 16-bit indices: the bytes twice, the
+ * second copy shifted down by 4, masked, then widened. */
+static inline __attribute__((always_inline)) __m512i nibble_index(const uint8_t *quants)
 {
-    const __m256bh values = _mm512_cvtneps_pbh(q4_values(block, type));
-    /* Weights 0..15 are the low nibbles of the 16 bytes, 16..31 the high ones: the bytes twice,
-     * the second copy shifted down by 4, masked, then widened to 16-bit indices. */
-    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(block + quants_at(type))));
+    const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)quants));
     const __m256i shifts = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
     const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi16(twice, shifts), _mm256_set1_epi8(0x0f));
-    const __m512i index = _mm512_cvtepu8_epi16(nibbles);
-    return (__m512bh)_mm512_permutexvar_epi16(index, _mm512_castsi256_si512((__m256i)values));
+    return _mm512_cvtepu8_epi16(nibbles);
 }
 
-/* A group of a type that widens_512 takes as 32 bfloat16 weights (Q8_0's rounded as the 256-bit
- * path rounds them). */
-static inline __attribute__((always_inline)) __m512bh group_bf16(const uint8_t *block, const int type)
+/* ggml's non-linear 4-bit levels (IQ4_NL, IQ4_XS) and MXFP4's doubled E2M1 values, by nibble, in
+ * float32: nl_levels' and fp4_levels' bytes. */
+static inline __m512 nl_values(void)
 {
-    if (type != TYPE_Q8_0) return lookup_q4_group(block, type);
-    __m512 w[2];
-    widen_512(block, type, w);
-    return _mm512_cvtne2ps_pbh(w[1], w[0]);
+    return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+static inline __m512 fp4_values(void)
+{
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+}
+
+/* The types whose 32-weight blocks dot_pass_512 looks up by nibble. */
+static inline int looks_up_512(int type)
+{
+    return type == TYPE_Q4_0 || type == TYPE_Q4_1 || type == TYPE_IQ4_NL || type == TYPE_MXFP4;
+}
+
+/* The 16 values a block of a type that looks_up_512 takes stands for, by nibble, in float32: each
+ * the very value widen gives (fma(q, d, m), d * NL[q], FP4[q] * 2^(e - 128)). */
+static inline __attribute__((always_inline)) __m512 nibble_values(const uint8_t *block, const int type)
+{
+    if (type == TYPE_IQ4_NL) return _mm512_mul_ps(nl_values(), _mm512_set1_ps(half_to_float(block)));
+    if (type == TYPE_MXFP4) return _mm512_mul_ps(fp4_values(), _mm512_set1_ps(e8m0_half(block[0])));
+    return q4_values(block, type);
 }
 
 /*
- * dot_pass for the types widens_512 takes, on 512-bit registers: a group's 32 weights in one
+ * A block of a type that looks_up_512 takes as 32 bfloat16 weights in one 512-bit register: its 16
+ * values rounded to bfloat16 once, as the packing below rounds them, then vpermw picks each
+ * weight's. So each weight is the very value of the 256-bit path. Q8_0's are widened and rounded
+ * as the 256-bit path rounds them.
+ */
+static inline __attribute__((always_inline)) __m512bh group_bf16(const uint8_t *block, const int type)
+{
+    if (type == TYPE_Q8_0) {
+        __m512 w[2];
+        widen_512(block, type, w);
+        return _mm512_cvtne2ps_pbh(w[1], w[0]);
+    }
+    const __m256bh values = _mm512_cvtneps_pbh(nibble_values(block, type));
+    return (__m512bh)_mm512_permutexvar_epi16(nibble_index(block + quants_at(type)), _mm512_castsi256_si512((__m256i)values));
+}
+
+/*
+ * dot_pass for Q8_0 and the types looks_up_512 takes, on 512-bit registers: a group's 32 weights in one
  * register, one dot product a row, two chains of additions a row (even and odd groups). On a
  * 2-core AMD EPYC (Zen 5), SmolLM2's Q4_1 linears and Q8_0 head against the 256-bit path
  * (bench/block_linear_ab.py --dtype bfloat16, medians of 40 in one run): one row 3.62 ms against
@@ -418,42 +447,80 @@ static inline __attribute__((always_inline)) void dot_pass_512(
     for (int r = 0; r < rows; r++) y[r * y_stride + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + bias;
 }
 
-/*
- * dot_pass for Q4_K on 512-bit registers, as dot_pass_512 takes Q4_0 and Q4_1: the two groups that
- * share a run of 32 quant bytes (low nibbles, then high) get one register of 32 bfloat16 values,
- * group g's fma(q, d * sc, -dmin * m) for q = 0..15 in words 0-15 and g + 1's in 16-31 (the very
- * values widen_group gives, rounded as the 256-bit path rounds them), and vpermw picks each
- * weight's: a low nibble as it is, a high one plus 16. On a 2-core AMD EPYC (Zen 4), a 1B-class
- * layer's four linears in Q4_K (bench/block_types.py's shapes, four copies a pass) against the
- * 256-bit path: 8.40 ms against 11.78 at one row, 9.89 against 13.50 at two, 10.98 against 16.78
- * at three, 15.32 against 20.75 at six.
- */
-static inline __attribute__((always_inline)) void dot_pass_q4_k_512(
-    const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
-    int64_t n, float bias, const int rows)
+/* The super-block types dot_pass_super_512 looks up by nibble. */
+static inline int looks_up_super_512(int type)
 {
-    const int64_t bytes = block_bytes(TYPE_Q4_K);
+    return type == TYPE_Q4_K || type == TYPE_Q5_K || type == TYPE_IQ4_XS;
+}
+
+/*
+ * dot_pass for Q4_K, Q5_K and IQ4_XS on 512-bit registers, as dot_pass_512 takes Q4_0 and Q4_1:
+ * each weight looked up among its group's values, each the very value widen_group gives, rounded
+ * to bfloat16 once. Q4_K's and IQ4_XS's groups g and g + 1 share one register of values (g's 16 in
+ * words 0-15, fma(q, d * sc, -dmin * m) or d * (s - 32) * NL[q]; g + 1's in 16-31), so vpermw
+ * takes g + 1's nibbles plus 16. Q5_K's groups have 32 values each, the fifth bit (bit g of qh[j])
+ * adding 16 to the nibble. On a 2-core AMD EPYC (Zen 4), a 1B-class layer's four linears
+ * (bench/block_types.py's shapes, four copies a pass, the two builds alternating) against the
+ * 256-bit path, at one row and at six: Q4_K 8.40 ms against 11.78 and 15.32 against 20.75, Q5_K
+ * 10.89 against 15.73 and 18.38 against 25.14, IQ4_XS 7.96 against 14.31 and 20.50 against 24.57
+ * (only 1.16-1.20x from three rows on, not looked into). dot_pass_512's IQ4_NL: 7.78 against 12.68 and 14.97 against 24.16; MXFP4 8.86 against
+ * 16.58 and 15.73 against 26.52.
+ */
+static inline __attribute__((always_inline)) void dot_pass_super_512(
+    const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
+    int64_t n, float bias, const int type, const int rows)
+{
+    const int64_t bytes = block_bytes(type);
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i nibble = _mm512_set1_epi16(0x0f), second = _mm512_set1_epi16(0x10);
     __m512 acc[STREAM_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #define X_512(r, b) ((__m512bh)_mm512_loadu_si512(x + (r) * x_stride + 32 * (b)))
     for (int64_t first = 0; first < blocks; first += 8) {
         const uint8_t *block = row + (first >> 3) * bytes;
         super_scales s;
-        prepare_super(block, TYPE_Q4_K, &s);
-        for (int index = 0; index < 4; index++) {
-            const int g = 2 * index;
-            const __m512 low_values = _mm512_fmadd_ps(q, _mm512_set1_ps(s.times[g]), _mm512_set1_ps(s.minus[g]));
-            const __m512 high_values =
-                _mm512_fmadd_ps(q, _mm512_set1_ps(s.times[g + 1]), _mm512_set1_ps(s.minus[g + 1]));
-            const __m512i values = (__m512i)_mm512_cvtne2ps_pbh(high_values, low_values);
-            const __m512i quants = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16 + 32 * index)));
-            const __m512bh low = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(quants, _mm512_set1_epi16(0x0f)), values);
-            const __m512bh high = (__m512bh)_mm512_permutexvar_epi16(
-                _mm512_or_si512(_mm512_srli_epi16(quants, 4), _mm512_set1_epi16(0x10)), values);
+        prepare_super(block, type, &s);
+        __m512i fifth = _mm512_setzero_si512();
+        if (type == TYPE_Q5_K) fifth = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16)));
+#pragma GCC unroll 4
+        for (int g = 0; g < 8; g += 2) {
+            __m512bh even, odd;
+            if (type == TYPE_Q5_K) {
+                const __m512i quants = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 48 + 16 * g)));
+                __m512i low = _mm512_and_si512(quants, nibble), high = _mm512_srli_epi16(quants, 4);
+                low = _mm512_mask_add_epi16(low, _mm512_test_epi16_mask(fifth, _mm512_set1_epi16((short)(1 << g))), low, second);
+                high = _mm512_mask_add_epi16(
+                    high, _mm512_test_epi16_mask(fifth, _mm512_set1_epi16((short)(1 << (g + 1)))), high, second);
+                const __m512 q16 = _mm512_add_ps(q, _mm512_set1_ps(16.0f));
+                for (int h = 0; h < 2; h++) {
+                    const __m512 times = _mm512_set1_ps(s.times[g + h]), minus = _mm512_set1_ps(s.minus[g + h]);
+                    const __m512i values = (__m512i)_mm512_cvtne2ps_pbh(
+                        _mm512_fmadd_ps(q16, times, minus), _mm512_fmadd_ps(q, times, minus));
+                    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(h ? high : low, values);
+                    if (h) odd = w; else even = w;
+                }
+            } else {
+                __m512 low_values, high_values;
+                __m512i low, high;
+                if (type == TYPE_IQ4_XS) {
+                    low_values = _mm512_mul_ps(nl_values(), _mm512_set1_ps(s.times[g]));
+                    high_values = _mm512_mul_ps(nl_values(), _mm512_set1_ps(s.times[g + 1]));
+                    low = nibble_index(block + 8 + 16 * g);
+                    high = nibble_index(block + 8 + 16 * (g + 1));
+                } else {
+                    low_values = _mm512_fmadd_ps(q, _mm512_set1_ps(s.times[g]), _mm512_set1_ps(s.minus[g]));
+                    high_values = _mm512_fmadd_ps(q, _mm512_set1_ps(s.times[g + 1]), _mm512_set1_ps(s.minus[g + 1]));
+                    const __m512i quants = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16 + 16 * g)));
+                    low = _mm512_and_si512(quants, nibble);
+                    high = _mm512_srli_epi16(quants, 4);
+                }
+                const __m512i values = (__m512i)_mm512_cvtne2ps_pbh(high_values, low_values);
+                even = (__m512bh)_mm512_permutexvar_epi16(low, values);
+                odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(high, second), values);
+            }
             for (int r = 0; r < rows; r++) {
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], low, X_512(r, first + g));
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], high, X_512(r, first + g + 1));
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], even, X_512(r, first + g));
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], odd, X_512(r, first + g + 1));
             }
         }
     }
@@ -469,12 +536,12 @@ static inline __attribute__((always_inline)) void dot_pass(
     int64_t n, float bias, const int type, const int rows)
 {
 #if DOT_512
-    if (widens_512(type)) {
+    if (type == TYPE_Q8_0 || looks_up_512(type)) {
         dot_pass_512(x, x_stride, blocks, row, y, y_stride, n, bias, type, rows);
         return;
     }
-    if (type == TYPE_Q4_K) {
-        dot_pass_q4_k_512(x, x_stride, blocks, row, y, y_stride, n, bias, rows);
+    if (looks_up_super_512(type)) {
+        dot_pass_super_512(x, x_stride, blocks, row, y, y_stride, n, bias, type, rows);
         return;
     }
 #endif
