@@ -461,10 +461,10 @@ static inline int looks_up_super_512(int type)
  * takes g + 1's nibbles plus 16. Q5_K's groups have 32 values each, the fifth bit (bit g of qh[j])
  * adding 16 to the nibble. On a 2-core AMD EPYC (Zen 4), a 1B-class layer's four linears
  * (bench/block_types.py's shapes, four copies a pass, the two builds alternating) against the
- * 256-bit path, at one row and at six: Q4_K 8.40 ms against 11.78 and 15.32 against 20.75, Q5_K
- * 10.89 against 15.73 and 18.38 against 25.14, IQ4_XS 7.96 against 14.31 and 20.50 against 24.57
- * (only 1.16-1.20x from three rows on, not looked into). dot_pass_512's IQ4_NL: 7.78 against 12.68 and 14.97 against 24.16; MXFP4 8.86 against
- * 16.58 and 15.73 against 26.52.
+ * 256-bit path, at one row and at six: Q4_K 7.66 ms against 12.32 and 15.90 against 23.00, Q5_K
+ * 11.07 against 14.08 and 17.98 against 23.82, IQ4_XS 8.50 against 14.94 and 19.93 against 27.39
+ * (1.27-1.76x at one to six rows). dot_pass_512's IQ4_NL: 7.77 against 11.69 and 16.03 against
+ * 21.90; MXFP4 (another run) 8.86 against 16.58 and 15.73 against 26.52.
  */
 static inline __attribute__((always_inline)) void dot_pass_super_512(
     const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
@@ -482,7 +482,9 @@ static inline __attribute__((always_inline)) void dot_pass_super_512(
         prepare_super(block, type, &s);
         __m512i fifth = _mm512_setzero_si512();
         if (type == TYPE_Q5_K) fifth = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(block + 16)));
-#pragma GCC unroll 4
+        /* Not unrolled: on Zen 4 unrolling the four pairs made Q4_K 5-13% slower and IQ4_XS 12-37% at
+         * three and four rows, Q5_K 3-4% faster. */
+#pragma GCC unroll 1
         for (int g = 0; g < 8; g += 2) {
             __m512bh even, odd;
             if (type == TYPE_Q5_K) {
