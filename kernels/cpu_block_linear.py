@@ -232,17 +232,15 @@ def dot_rows() -> int:
     return DOT_ROWS_WITH_AMX if cpu_has("amx_bf16") else STREAM_ROWS
 
 
-def open_library(dtype: torch.dtype, sources: Path = SOURCES, float32_512: bool | None = None) -> ctypes.CDLL:
+def open_library(dtype: torch.dtype, sources: Path = SOURCES, split_512: bool | None = None) -> ctypes.CDLL:
     """The library built from `sources` (another revision's kernels/cpu, for a benchmark's A/B)
-    for x in `dtype`, its codebooks handed over and its entries typed. `float32_512`: whether the
-    float32 build streams Q4_0, Q4_1 and Q8_0 on 512-bit registers where the CPU has AVX-512 BW
-    (block_linear.c's pass_512); by default unless the CPU splits 512-bit operations in two
-    (Zen 4, where that path was 0.91-0.94x the 256-bit one)."""
-    if dtype == torch.bfloat16:
-        defines = {"BFLOAT16": 1}
-    else:
-        wide = not splits_512_bit_operations() if float32_512 is None else float32_512
-        defines = {"BFLOAT16": 0, "FLOAT32_PASS_512": int(wide)}
+    for x in `dtype`, its codebooks handed over and its entries typed. `split_512`: build for a CPU
+    that runs each 512-bit operation as two 256-bit halves (block_linear.c's SPLIT_512: float32
+    streams on 256-bit registers, where the 512-bit path was 0.91-0.94x as fast on Zen 4, and the
+    bfloat16 lookup computes each block's values on them); by default, whether this CPU does
+    (`splits_512_bit_operations`)."""
+    split = splits_512_bit_operations() if split_512 is None else split_512
+    defines = {"BFLOAT16": int(dtype == torch.bfloat16), "SPLIT_512": int(split)}
     library = load(build("block_linear.c", defines, sources))
     tables = codebook_tables()
     library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)

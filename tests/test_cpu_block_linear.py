@@ -304,7 +304,7 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
 @pytest.mark.parametrize("type_", [Q4_0, Q4_1, Q8_0])
 def test_float32_streams_the_same_values_on_either_register_width(type_: int) -> None:
     """The float32 build streams Q4_0, Q4_1 and Q8_0 on 512-bit registers or, where the CPU splits
-    those in two (FLOAT32_PASS_512=0), on 256-bit ones: both builds, whichever this CPU takes,
+    those in two (SPLIT_512), on 256-bit ones: both builds, whichever this CPU takes,
     give each weight as the gguf package dequantizes it, and products equal to float32 rounding."""
     k = whole(type_, 576)
     weight = block_weight(type_, 40, k, seed=7 * type_)
@@ -316,7 +316,7 @@ def test_float32_streams_the_same_values_on_either_register_width(type_: int) ->
     dense = torch.randn(STREAM_ROWS, k, generator=gen)
     sums = {}
     for wide in (True, False):
-        kernel = BlockLinear(open_library(torch.float32, float32_512=wide))
+        kernel = BlockLinear(open_library(torch.float32, split_512=not wide))
         for rows in range(1, STREAM_ROWS + 1):
             assert torch.equal(kernel(x[:rows], weight), want[:rows])
         sums[wide] = kernel(dense, weight)
@@ -324,6 +324,30 @@ def test_float32_streams_the_same_values_on_either_register_width(type_: int) ->
             sums[wide].double(), dense.double() @ weight.dequantize().double().T, rtol=1e-5, atol=1e-5
         )
     assert not torch.equal(sums[True], sums[False])  # two paths: the additions in other orders
+
+
+@pytest.mark.skipif(
+    not (cpu_has("avx512_bf16") and cpu_has("avx512bw")),
+    reason="the bfloat16 lookup needs AVX-512 BF16 and BW",
+)
+@pytest.mark.parametrize("type_", [Q4_0, Q4_1, IQ4_NL, MXFP4])
+def test_bfloat16_lookup_takes_the_same_values_on_either_register_width(type_: int) -> None:
+    """The bfloat16 build computes a block's 16 values on 512-bit registers or, where the CPU splits
+    those in two (SPLIT_512), in 256-bit halves: each weight is the bfloat16 copy's value either
+    way, and the two builds' products are the same bits."""
+    k = whole(type_, 96)
+    weight = block_weight(type_, 24, k, seed=13 * type_)
+    want = weight.dequantize().bfloat16().T
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    dense = torch.randn(STREAM_ROWS, k, generator=torch.Generator().manual_seed(type_)).bfloat16()
+    sums = []
+    for split in (False, True):
+        kernel = BlockLinear(open_library(torch.bfloat16, split_512=split))
+        assert kernel.dot_products
+        got = torch.cat([kernel(eye[i : i + 2], weight) for i in range(0, k, 2)])
+        assert torch.equal(got, want)
+        sums.append(kernel(dense, weight))
+    assert torch.equal(sums[0], sums[1])
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))
