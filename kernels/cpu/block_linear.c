@@ -455,7 +455,8 @@ static inline __attribute__((always_inline)) __m512bh group_bf16(const uint8_t *
  * 4.91, two 3.91 against 5.47, three 4.34 against 6.89, six 5.75 against 8.46. With the blocks in
  * the cache one row took as long per byte, so the widening, not the memory, still sets the pace.
  * On Zen 4, whose 512-bit operations take two passes, it still won from two rows: 1.08x at two,
- * 1.17-1.21x at three to six, and tied at one (7.19 against 7.18 ms).
+ * 1.17-1.21x at three to six, and tied at one (7.19 against 7.18 ms), before group_bf16 took
+ * nibble_values_256 there.
  */
 static inline __attribute__((always_inline)) void dot_pass_512(
     const uint16_t *x, int64_t x_stride, int64_t blocks, const uint8_t *row, float *y, int64_t y_stride,
