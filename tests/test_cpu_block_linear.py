@@ -7,6 +7,7 @@ rounded once)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gguf
@@ -300,9 +301,21 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
         assert torch.equal(kernel(x[:rows], weight), want[:rows])
 
 
+@pytest.fixture(scope="module")
+def widths() -> dict[tuple[torch.dtype, bool], BlockLinear]:
+    """Each element type's kernel built without and with SPLIT_512, by (dtype, split): the two builds
+    this CPU does not take compiled side by side, one a core (each takes 20-40 s)."""
+    builds = [(dtype, split) for dtype in (torch.float32, torch.bfloat16) for split in (False, True)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        libraries = pool.map(lambda build: open_library(build[0], split_512=build[1]), builds)
+        return {build: BlockLinear(library) for build, library in zip(builds, libraries, strict=True)}
+
+
 @pytest.mark.skipif(not cpu_has("avx512bw"), reason="the float32 512-bit path needs AVX-512 BW")
 @pytest.mark.parametrize("type_", [Q4_0, Q4_1, Q8_0])
-def test_float32_streams_the_same_values_on_either_register_width(type_: int) -> None:
+def test_float32_streams_the_same_values_on_either_register_width(
+    widths: dict[tuple[torch.dtype, bool], BlockLinear], type_: int
+) -> None:
     """The float32 build streams Q4_0, Q4_1 and Q8_0 on 512-bit registers or, where the CPU splits
     those in two (SPLIT_512), on 256-bit ones: both builds, whichever this CPU takes,
     give each weight as the gguf package dequantizes it, and products equal to float32 rounding."""
@@ -316,7 +329,7 @@ def test_float32_streams_the_same_values_on_either_register_width(type_: int) ->
     dense = torch.randn(STREAM_ROWS, k, generator=gen)
     sums = {}
     for wide in (True, False):
-        kernel = BlockLinear(open_library(torch.float32, split_512=not wide))
+        kernel = widths[torch.float32, not wide]
         for rows in range(1, STREAM_ROWS + 1):
             assert torch.equal(kernel(x[:rows], weight), want[:rows])
         sums[wide] = kernel(dense, weight)
@@ -331,7 +344,9 @@ def test_float32_streams_the_same_values_on_either_register_width(type_: int) ->
     reason="the bfloat16 lookup needs AVX-512 BF16 and BW",
 )
 @pytest.mark.parametrize("type_", [Q4_0, Q4_1, IQ4_NL, MXFP4])
-def test_bfloat16_lookup_takes_the_same_values_on_either_register_width(type_: int) -> None:
+def test_bfloat16_lookup_takes_the_same_values_on_either_register_width(
+    widths: dict[tuple[torch.dtype, bool], BlockLinear], type_: int
+) -> None:
     """The bfloat16 build computes a block's 16 values on 512-bit registers or, where the CPU splits
     those in two (SPLIT_512), in 256-bit halves: each weight is the bfloat16 copy's value either
     way, and the two builds' products are the same bits."""
@@ -342,7 +357,7 @@ def test_bfloat16_lookup_takes_the_same_values_on_either_register_width(type_: i
     dense = torch.randn(STREAM_ROWS, k, generator=torch.Generator().manual_seed(type_)).bfloat16()
     sums = []
     for split in (False, True):
-        kernel = BlockLinear(open_library(torch.bfloat16, split_512=split))
+        kernel = widths[torch.bfloat16, split]
         assert kernel.dot_products
         got = torch.cat([kernel(eye[i : i + 2], weight) for i in range(0, k, 2)])
         assert torch.equal(got, want)
