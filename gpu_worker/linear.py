@@ -287,8 +287,8 @@ class Linear:
         return torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks_only and x.stride(-1) != 1:
-            x = x.contiguous()
+        if self.blocks_only:
+            x = _side_by_side(x)
         if self.takes_block_kernel(x):
             assert self._block is not None and self.blocks is not None
             return self._block(x, self.blocks, self._plain_bias)
@@ -325,9 +325,7 @@ class Linear:
 
     def _own_kernel(self, x: torch.Tensor) -> torch.Tensor:
         assert self._pair is not None and self.pair_weight is not None
-        if x.stride(-1) != 1:  # the kernel reads each row's elements side by side
-            x = x.contiguous()
-        return self._pair(x, self.pair_weight, self._plain_bias)
+        return self._pair(_side_by_side(x), self.pair_weight, self._plain_bias)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return _onednn_linear(x, self._onednn_weight, self.bias)
@@ -383,12 +381,17 @@ class GateUpLinear(Linear):
         if self.takes_own_kernel(x):
             assert self._pair is not None and self.pair_weight is not None
             if c_rounding and self._pair.fuses_silu:
-                return self._pair.silu_and_mul(x if x.stride(-1) == 1 else x.contiguous(), self.pair_weight)
+                return self._pair.silu_and_mul(_side_by_side(x), self.pair_weight)
             return fallback(self(x))
         if not self.post_ops:
             return fallback(self(x))
         gate = torch.ops.mkldnn._linear_pointwise(x, self._gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self._up, None, "mul")
+
+
+def _side_by_side(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it where each row's elements do not lie side by side, as the C kernels read them."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _onednn_linear(

@@ -328,13 +328,13 @@ def test_float32_streams_the_same_values_on_either_register_width(
     gen = torch.Generator().manual_seed(type_)
     dense = torch.randn(STREAM_ROWS, k, generator=gen)
     sums = {}
-    for wide in (True, False):
-        kernel = widths[torch.float32, not wide]
+    for split in (False, True):
+        kernel = widths[torch.float32, split]
         for rows in range(1, STREAM_ROWS + 1):
             assert torch.equal(kernel(x[:rows], weight), want[:rows])
-        sums[wide] = kernel(dense, weight)
+        sums[split] = kernel(dense, weight)
         torch.testing.assert_close(
-            sums[wide].double(), dense.double() @ weight.dequantize().double().T, rtol=1e-5, atol=1e-5
+            sums[split].double(), dense.double() @ weight.dequantize().double().T, rtol=1e-5, atol=1e-5
         )
     assert not torch.equal(sums[True], sums[False])  # two paths: the additions in other orders
 

@@ -398,14 +398,9 @@ static inline int looks_up_512(int type)
  * 10.78 against 16.44 and 18.04 against 28.48 (1.52-1.65x). */
 static inline __attribute__((always_inline)) __m512bh q5_group_bf16(const uint8_t *block, const int type)
 {
-    __m512 scale, add;
-    if (type == TYPE_Q5_1) {
-        scale = _mm512_set1_ps(half_to_float(block));
-        add = _mm512_set1_ps(half_to_float(block + 2));
-    } else {
-        scale = _mm512_set1_ps(half_to_float(block));
-        add = _mm512_mul_ps(scale, _mm512_set1_ps(-16.0f)); /* exact */
-    }
+    const __m512 scale = _mm512_set1_ps(half_to_float(block));
+    const __m512 add = type == TYPE_Q5_1 ? _mm512_set1_ps(half_to_float(block + 2))
+                                         : _mm512_mul_ps(scale, _mm512_set1_ps(-16.0f)); /* exact */
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i values = (__m512i)_mm512_cvtne2ps_pbh(
         _mm512_fmadd_ps(_mm512_add_ps(q, _mm512_set1_ps(16.0f)), scale, add), _mm512_fmadd_ps(q, scale, add));
