@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.duoserve-installed
 
-.PHONY: install serve test lint protos bench gpu-check clean
+.PHONY: install serve test lint style typecheck kernels protos bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,17 +28,26 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/duoserve serve
 
+# The style and type checks run beside the kernel compiles: mypy keeps one core busy, the
+# compiles the other, and the tests then find the kernels built.
 test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
-	cd bench && $(abspath $(VENV))/bin/mypy --config-file ../pyproject.toml --explicit-package-bases *.py
+	$(MAKE) --no-print-directory --output-sync -j3 style typecheck kernels
 	$(PY) -m pytest -q -ra -m "not gpu"
 
-lint: $(STAMP)
+lint: style typecheck
+
+style: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
 	$(VENV)/bin/mypy scheduler gpu_worker kernels protos/generate.py protos/running.py clients/python/duoserve_client
 	cd bench && $(abspath $(VENV))/bin/mypy --config-file ../pyproject.toml --explicit-package-bases *.py
+
+# The CPU kernels whose builds do not depend on a model's shapes, compiled side by side into the
+# kernel cache (kernels/cpu_prebuild.py).
+kernels: $(STAMP)
+	$(PY) -m kernels.cpu_prebuild
 
 protos: $(STAMP)
 	$(PY) -m protos.generate

@@ -263,15 +263,21 @@ def open_library(dtype: torch.dtype, sources: Path = SOURCES, split_512: bool | 
     return library
 
 
-def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
-    """The kernel, its library for x in `dtype` (float32 or bfloat16) built or found in the cache;
-    KernelBuildError where it cannot run. Each element type has a build of its own (about 10 s to
-    compile on a 2-core EPYC), so a worker builds only the one it multiplies in."""
+def require_cpu() -> None:
+    """KernelBuildError where this CPU cannot run the kernel (it needs AVX2, FMA and F16C)."""
     missing = [flag for flag in ("avx2", "fma", "f16c") if not cpu_has(flag)]
     if missing:
         raise KernelBuildError(
             f"the block linear needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}"
         )
+
+
+def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
+    """The kernel, its library for x in `dtype` (float32 or bfloat16) built or found in the cache;
+    KernelBuildError where it cannot run. Each element type has a build of its own (24 s for
+    float32 and 48 s for bfloat16 to compile on a 2-core Zen 4 with GCC 12), so a worker builds
+    only the one it multiplies in; kernels/cpu_prebuild.py builds both ahead, side by side."""
+    require_cpu()
     if dtype not in DTYPES:
         raise ValueError(f"dtype: got {dtype}, expected torch.float32 or torch.bfloat16")
     _entry(dtype)
@@ -299,4 +305,5 @@ __all__ = [
     "codebook_tables",
     "load_block_linear",
     "open_library",
+    "require_cpu",
 ]

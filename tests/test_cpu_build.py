@@ -3,6 +3,7 @@ arithmetic as it was: a library linked with -ffast-math would turn on flush-to-z
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,49 @@ def test_zen_4_alone_splits_512_bit_operations() -> None:
     assert not splits_512_bit_operations(cpuinfo("AuthenticAMD", 26, avx512))
     assert not splits_512_bit_operations(cpuinfo("GenuineIntel", 6, avx512 + " amx_bf16"))
     assert not splits_512_bit_operations("")
+
+
+def prebuild(cache: Path | None = None, compiler: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if cache is not None:
+        env["DUOSERVE_KERNEL_CACHE"] = str(cache)
+    if compiler is not None:
+        env["CC"] = compiler
+    return subprocess.run(
+        [sys.executable, "-m", "kernels.cpu_prebuild"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_prebuild_readies_the_shape_free_kernels() -> None:
+    """`make test` ran it before the tests, so here it finds them in the cache."""
+    result = prebuild()
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines()[:-1])
+    assert set(lines) == {
+        "block linear, bfloat16 x",
+        "block linear, float32 x",
+        "fused ops, float32",
+        "fused ops, bfloat16",
+        "pair-layout linear",
+    }
+    # Every CPU CI runs on has AVX2, FMA and F16C; the fused ops are portable C.
+    for name in (
+        "block linear, float32 x",
+        "block linear, bfloat16 x",
+        "fused ops, float32",
+        "fused ops, bfloat16",
+    ):
+        assert lines[name].startswith("ready in "), (name, lines[name])
+    assert result.stdout.splitlines()[-1].endswith(" s")
+
+
+def test_prebuild_fails_when_the_compiler_does(tmp_path: Path) -> None:
+    result = prebuild(cache=tmp_path, compiler="false")
+    assert result.returncode == 1
+    assert "kernel build failed" in result.stderr and "false --version failed" in result.stderr
+    assert not list(tmp_path.glob("*.so"))
