@@ -274,9 +274,10 @@ def require_cpu() -> None:
 
 def load_block_linear(dtype: torch.dtype = torch.float32) -> BlockLinear:
     """The kernel, its library for x in `dtype` (float32 or bfloat16) built or found in the cache;
-    KernelBuildError where it cannot run. Each element type has a build of its own (24 s for
-    float32 and 48 s for bfloat16 to compile on a 2-core Zen 4 with GCC 12), so a worker builds
-    only the one it multiplies in; kernels/cpu_prebuild.py builds both ahead, side by side."""
+    KernelBuildError where it cannot run. Each element type has a build of its own (15 s for
+    float32 and 28 s for bfloat16 to compile on a 2-core Zen 4 with GCC 12, each in three parts
+    side by side), so a worker builds only the one it multiplies in; kernels/cpu_prebuild.py
+    builds both ahead."""
     require_cpu()
     if dtype not in DTYPES:
         raise ValueError(f"dtype: got {dtype}, expected torch.float32 or torch.bfloat16")

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -93,9 +94,17 @@ def cache_dir() -> Path:
     return Path(base) / "duoserve" / "kernels"
 
 
+def parts(source_text: str) -> int:
+    """How many objects a source is compiled as: its own `#define PARTS n` line, else one."""
+    found = re.search(r"^#define PARTS (\d+)", source_text, re.MULTILINE)
+    return int(found.group(1)) if found else 1
+
+
 def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) -> Path:
     """The shared library of kernels/cpu/`source_name` with these -D defines, compiled unless cached.
-    `sources`: where the kernel sources are (another revision's, for a benchmark's A/B)."""
+    `sources`: where the kernel sources are (another revision's, for a benchmark's A/B). A source
+    that says it is built in parts (`parts`) compiles as that many objects side by side, each with
+    -DPART=i, and they link into the one library."""
     source = sources / source_name
     compiler = _compiler()
     flags = [*_base_flags(), *(f"-D{name}={value}" for name, value in defines.items())]
@@ -105,8 +114,9 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
         raise KernelBuildError(f"{compiler} --version failed: {exc}") from exc
     # What the sources include: the headers, and the sources one library builds from others.
     headers = [path.read_text() for path in sorted([*sources.glob("*.h"), *sources.glob("*.c")])]
+    text = source.read_text()
     digest = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, *flags, *_LINK_FLAGS, version, _cpu_identity()]).encode()
+        "\0".join([text, *headers, *flags, *_LINK_FLAGS, version, _cpu_identity()]).encode()
     ).hexdigest()[:20]
     directory = cache_dir()
     target = directory / f"{source.stem}-{digest}.so"
@@ -119,21 +129,38 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
     # Compile and link to private names, then rename: concurrent workers never load a half-written file.
     fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
     os.close(fd)
-    objects = partial.removesuffix(".so") + ".o"
+    count = parts(text)
+    objects = [partial.removesuffix(".so") + f".{part}.o" for part in range(count)]
+    part_defines = [[f"-DPART={part}"] for part in range(count)] if count > 1 else [[]]
+    compiles = [
+        [compiler, *flags, *define, "-c", str(source), "-o", obj]
+        for define, obj in zip(part_defines, objects, strict=True)
+    ]
     try:
-        for command in (
-            [compiler, *flags, "-c", str(source), "-o", objects],
-            [compiler, *_LINK_FLAGS, objects, "-o", partial],
-        ):
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                Path(partial).unlink(missing_ok=True)
-                raise KernelBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()}")
+        _run_side_by_side(compiles, partial)
+        _run_side_by_side([[compiler, *_LINK_FLAGS, *objects, "-o", partial]], partial)
     finally:
-        Path(objects).unlink(missing_ok=True)
+        for obj in objects:
+            Path(obj).unlink(missing_ok=True)
     os.replace(partial, target)
     log.info("built the CPU kernel %s", target)
     return target
+
+
+def _run_side_by_side(commands: list[list[str]], partial: str) -> None:
+    """Runs the commands at once and waits for all; KernelBuildError (and `partial` removed) if any failed."""
+    running = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    failures = []
+    for command, process in zip(commands, running, strict=True):
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            failures.append(f"{' '.join(command)} failed:\n{stderr.strip()}")
+    if failures:
+        Path(partial).unlink(missing_ok=True)
+        raise KernelBuildError("\n".join(failures))
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -3,13 +3,16 @@ arithmetic as it was: a library linked with -ffast-math would turn on flush-to-z
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from kernels.cpu_build import splits_512_bit_operations
+import pytest
+
+from kernels.cpu_build import SOURCES, KernelBuildError, build, load, parts, splits_512_bit_operations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,3 +123,48 @@ def test_prebuild_fails_when_the_compiler_does(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "kernel build failed" in result.stderr and "false --version failed" in result.stderr
     assert not list(tmp_path.glob("*.so"))
+
+
+TWO_PARTS = """
+#define PARTS 2
+__attribute__((visibility("hidden"))) int doubled(int x);
+#if PART == 0
+__attribute__((visibility("hidden"))) int doubled(int x) { return 2 * x; }
+#else
+int duoserve_doubled_plus(int x, int y) { return doubled(x) + y; }
+#endif
+"""
+
+
+def test_a_source_built_in_parts_links_them_into_one_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    sources = tmp_path / "cpu"
+    sources.mkdir()
+    (sources / "two.c").write_text(TWO_PARTS)
+    library = load(build("two.c", {}, sources))
+    library.duoserve_doubled_plus.argtypes = [ctypes.c_int, ctypes.c_int]
+    assert library.duoserve_doubled_plus(20, 2) == 42
+    assert not hasattr(library, "doubled")  # hidden: each part's own, not the library's
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == [build("two.c", {}, sources).name]
+
+
+def test_a_part_that_fails_to_compile_fails_the_build_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    sources = tmp_path / "cpu"
+    sources.mkdir()
+    (sources / "two.c").write_text(TWO_PARTS.replace("#else", "#else\nnot C;"))
+    with pytest.raises(KernelBuildError, match="-DPART=1") as failed:
+        build("two.c", {}, sources)
+    assert "-DPART=0" not in str(failed.value)  # only the part that failed is named
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_the_block_linear_declares_its_parts_and_other_sources_build_whole() -> None:
+    assert parts("int x;\n#define PARTS 3\n") == 3
+    assert parts("/* #define PARTS 3 */\nint x;\n") == 1
+    assert parts((SOURCES / "block_linear.c").read_text()) == 3
+    assert parts((SOURCES / "fused_ops.c").read_text()) == 1

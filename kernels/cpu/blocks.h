@@ -1,7 +1,8 @@
 /*
  * The GGUF weight blocks the block linear reads (block_linear.c): their layouts, their sizes, and
  * each group of 32 weights widened to float32 in vector registers. Include only where __AVX2__,
- * __FMA__ and __F16C__ are defined, and in one file: it holds the codebook tables' pointers.
+ * __FMA__ and __F16C__ are defined; it declares the codebook tables' pointers, which block_linear.c
+ * defines.
  *
  * Block layouts, 32 weights each, per output row k / 32 blocks in a row (ggml's):
  *   Q8_0: fp16 d, int8 q[32]                      w[j] = d * q[j]
@@ -142,19 +143,10 @@ static inline int super_blocks(int type)
 }
 
 /* ggml's codebooks as bytes, rows of 8 (IQ2, IQ1) or 4 (IQ3), and its sign patterns: set once by
- * duoserve_block_linear_use_codebooks before any codebook type is multiplied. */
-static const uint8_t *grid_iq2_xxs, *grid_iq2_xs, *grid_iq2_s, *grid_iq3_xxs, *grid_iq3_s, *grid_iq1, *ksigns;
-
-/* Hands over the tables: IQ2_XXS's 256 rows of 8, IQ2_XS's 512, IQ2_S's 1024, IQ3_XXS's 256 rows
- * of 4, IQ3_S's 512 (unsigned values), the IQ1 types' 2048 rows of 8 (signed: 8 times -1, 0 or
- * 1), and the 128 sign patterns. They must outlive every call. */
-void duoserve_block_linear_use_codebooks(const uint8_t *iq2_xxs, const uint8_t *iq2_xs, const uint8_t *iq2_s,
-                                         const uint8_t *iq3_xxs, const uint8_t *iq3_s, const uint8_t *iq1,
-                                         const uint8_t *signs)
-{
-    grid_iq2_xxs = iq2_xxs, grid_iq2_xs = iq2_xs, grid_iq2_s = iq2_s;
-    grid_iq3_xxs = iq3_xxs, grid_iq3_s = iq3_s, grid_iq1 = iq1, ksigns = signs;
-}
+ * duoserve_block_linear_use_codebooks (block_linear.c) before any codebook type is multiplied.
+ * One copy for the library, read by every part of it. */
+extern __attribute__((visibility("hidden"))) const uint8_t *grid_iq2_xxs, *grid_iq2_xs, *grid_iq2_s,
+    *grid_iq3_xxs, *grid_iq3_s, *grid_iq1, *ksigns;
 
 static inline int known_type(int type)
 {
