@@ -136,31 +136,31 @@ int duoserve_doubled_plus(int x, int y) { return doubled(x) + y; }
 """
 
 
-def test_a_source_built_in_parts_links_them_into_one_library(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def two_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """kernels/cpu as a directory that holds TWO_PARTS as two.c, and an empty kernel cache beside it."""
     monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
     sources = tmp_path / "cpu"
     sources.mkdir()
     (sources / "two.c").write_text(TWO_PARTS)
-    library = load(build("two.c", {}, sources))
+    return sources
+
+
+def test_a_source_built_in_parts_links_them_into_one_library(two_parts: Path) -> None:
+    library = load(build("two.c", {}, two_parts))
     library.duoserve_doubled_plus.argtypes = [ctypes.c_int, ctypes.c_int]
     assert library.duoserve_doubled_plus(20, 2) == 42
     assert not hasattr(library, "doubled")  # hidden: each part's own, not the library's
-    assert [path.name for path in (tmp_path / "cache").iterdir()] == [build("two.c", {}, sources).name]
+    cache = two_parts.parent / "cache"
+    assert [path.name for path in cache.iterdir()] == [build("two.c", {}, two_parts).name]
 
 
-def test_a_part_that_fails_to_compile_fails_the_build_and_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("DUOSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
-    sources = tmp_path / "cpu"
-    sources.mkdir()
-    (sources / "two.c").write_text(TWO_PARTS.replace("#else", "#else\nnot C;"))
+def test_a_part_that_fails_to_compile_fails_the_build_and_leaves_nothing(two_parts: Path) -> None:
+    (two_parts / "two.c").write_text(TWO_PARTS.replace("#else", "#else\nnot C;"))
     with pytest.raises(KernelBuildError, match="-DPART=1") as failed:
-        build("two.c", {}, sources)
+        build("two.c", {}, two_parts)
     assert "-DPART=0" not in str(failed.value)  # only the part that failed is named
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert list((two_parts.parent / "cache").iterdir()) == []
 
 
 def test_the_block_linear_declares_its_parts_and_other_sources_build_whole() -> None:

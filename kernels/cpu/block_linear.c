@@ -330,10 +330,10 @@ static inline __attribute__((always_inline)) void output_wide(
 }
 
 /* The streaming path: each weight row read once from memory, for all rows of x in one pass: up to
- * STREAM_ROWS rows (stream_narrow), or more where `type` streams wide (stream_wide_rows). Two
+ * STREAM_ROWS rows (stream_narrow_rows), or more where `type` streams wide (stream_wide_rows). Two
  * functions, one for each switch: with both switches in one loop the 1-2 row steps ran 1.6-3%
  * slower, and with one always-inline loop over a constant choice the 8-10 row steps 2.5-5%. */
-SHARED void stream_narrow(
+SHARED void stream_narrow_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads);
 SHARED void stream_wide_rows(
@@ -341,7 +341,7 @@ SHARED void stream_wide_rows(
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads);
 
 #if PART == NARROW_PART
-SHARED void stream_narrow(
+SHARED void stream_narrow_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
@@ -381,7 +381,10 @@ static void stream_rows(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
-    (rows > STREAM_ROWS ? stream_wide_rows : stream_narrow)(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
+    if (rows > STREAM_ROWS)
+        stream_wide_rows(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
+    else
+        stream_narrow_rows(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
 }
 #endif
 
