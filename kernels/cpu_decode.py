@@ -196,17 +196,17 @@ def paged_decode_attention_reference(
     return out
 
 
-def load_cpu_decode_attention(
+def build_cpu_decode_attention(
     head_dim: int,
     group: int,
     block_size: int,
     dtype: torch.dtype,
     vector_bits: int = 512,
     kv_int8: bool = False,
-) -> CpuDecodeAttention:
-    """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible.
-    `vector_bits` caps its intrinsics path at AVX-512 (512: the widest this CPU has), AVX2 (256) or
-    none (0), so the tests can run each path a CPU may take. `kv_int8`: for an int8 cache (kernels/kv_int8.py)."""
+) -> Path:
+    """The kernel's library for this shape, compiled unless it is in the cache, not loaded;
+    KernelBuildError if impossible. Builds of different shapes may run on threads side by side.
+    The arguments as load_cpu_decode_attention's."""
     supported = (
         8 <= head_dim <= MAX_HEAD_DIM
         and head_dim % 8 == 0
@@ -222,22 +222,36 @@ def load_cpu_decode_attention(
         raise KernelBuildError(f"no CPU decode kernel for {dtype}; supported: {DTYPES}")
     if vector_bits not in VECTOR_BITS:
         raise KernelBuildError(f"vector_bits={vector_bits}; supported: {VECTOR_BITS}")
+    return build(
+        "paged_decode_attention.c",
+        {
+            "HEAD_DIM": head_dim,
+            "GROUP": group,
+            "BLOCK": block_size,
+            "ELEM_BF16": int(dtype == torch.bfloat16),
+            "VECTOR_BITS": vector_bits,
+            "KV_INT8": int(kv_int8),
+        },
+    )
+
+
+def load_cpu_decode_attention(
+    head_dim: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    vector_bits: int = 512,
+    kv_int8: bool = False,
+) -> CpuDecodeAttention:
+    """Build (or find in the cache) and load the kernel for this shape; KernelBuildError if impossible.
+    `vector_bits` caps its intrinsics path at AVX-512 (512: the widest this CPU has), AVX2 (256) or
+    none (0), so the tests can run each path a CPU may take. `kv_int8`: for an int8 cache (kernels/kv_int8.py)."""
     key = (head_dim, group, block_size, dtype, vector_bits, kv_int8)
     with _lock:
         if key not in _loaded:
-            shape = _Shape(head_dim, group, block_size, dtype, kv_int8)
-            path = build(
-                "paged_decode_attention.c",
-                {
-                    "HEAD_DIM": shape.head_dim,
-                    "GROUP": shape.group,
-                    "BLOCK": shape.block_size,
-                    "ELEM_BF16": int(shape.dtype == torch.bfloat16),
-                    "VECTOR_BITS": vector_bits,
-                    "KV_INT8": int(kv_int8),
-                },
-            )
+            path = build_cpu_decode_attention(head_dim, group, block_size, dtype, vector_bits, kv_int8)
             function, vector_path = _bind(path)
+            shape = _Shape(head_dim, group, block_size, dtype, kv_int8)
             _loaded[key] = CpuDecodeAttention(function, shape, path, vector_path)
         return _loaded[key]
 

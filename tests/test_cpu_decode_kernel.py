@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,11 +14,13 @@ from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
 from kernels.cpu_decode import (
     KernelBuildError,
+    build_cpu_decode_attention,
     check_block_tables,
     load_cpu_decode_attention,
     paged_decode_attention_reference,
 )
 from tests.cpu_features import has_avx2_fma
+from tests.kernel_builds import built_side_by_side
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 SAME_ARITHMETIC = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # float32 rounding; one bfloat16 ulp near 1
@@ -55,23 +59,44 @@ VECTOR_PATHS = [
 ]
 
 
+EDGE_SHAPES = [  # (block_size, num_kv_heads, group, head_dim)
+    (16, 3, 3, 64),
+    (8, 1, 8, 128),
+    (32, 4, 1, 64),
+    (16, 2, 4, 32),
+    (24, 2, 3, 40),
+    (8, 1, 16, 8),
+    (12, 2, 2, 16),
+    # A whole-sequence item of more than 16 query rows: the softmax steps 16 rows, then the rest.
+    (16, 6, 3, 32),
+    (16, 4, 8, 64),
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def vector_bits_here() -> list[int]:
+    """The VECTOR_PATHS this CPU runs (the AVX2 one only with AVX2 and FMA)."""
+    return [512, *([256] if has_avx2_fma() else []), 0]
+
+
+def edge_builds(shapes: list[tuple[int, int, int, int]], kv_int8: bool) -> list[Callable[[], object]]:
+    """The builds of every edge test variant: each shape, dtype and vector path."""
+    return [
+        functools.partial(build_cpu_decode_attention, head_dim, group, block, dtype, bits, kv_int8)
+        for block, _, group, head_dim in shapes
+        for dtype in DTYPES
+        for bits in vector_bits_here()
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _edge_variants_compiled() -> None:
+    built_side_by_side(edge_builds(EDGE_SHAPES, kv_int8=False))
+
+
 @pytest.mark.parametrize("vector_bits", VECTOR_PATHS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("block_size", "num_kv_heads", "group", "head_dim"),
-    [
-        (16, 3, 3, 64),
-        (8, 1, 8, 128),
-        (32, 4, 1, 64),
-        (16, 2, 4, 32),
-        (24, 2, 3, 40),
-        (8, 1, 16, 8),
-        (12, 2, 2, 16),
-        # A whole-sequence item of more than 16 query rows: the softmax steps 16 rows, then the rest.
-        (16, 6, 3, 32),
-        (16, 4, 8, 64),
-    ],
-)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "head_dim"), EDGE_SHAPES)
 def test_kernel_matches_reference_at_block_edges(
     dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int, vector_bits: int
 ) -> None:

@@ -15,7 +15,8 @@ from kernels.kv_int8 import (
     quantize_rows,
     write_kv_int8,
 )
-from tests.test_cpu_decode_kernel import TOLERANCE, VECTOR_PATHS, make_case
+from tests.kernel_builds import built_side_by_side
+from tests.test_cpu_decode_kernel import TOLERANCE, VECTOR_PATHS, edge_builds, make_case
 
 
 def test_quantized_rows_are_within_half_a_step_of_the_input() -> None:
@@ -47,12 +48,17 @@ def test_write_puts_rows_and_scales_at_their_slots_and_skips_negative_slots() ->
         assert float(cache.scales.transpose(1, 2).reshape(32, -1)[untouched].abs().sum()) == 0.0
 
 
+INT8_EDGE_SHAPES = [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (24, 2, 3, 40), (8, 1, 16, 8)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _edge_variants_compiled() -> None:
+    built_side_by_side(edge_builds(INT8_EDGE_SHAPES, kv_int8=True))
+
+
 @pytest.mark.parametrize("vector_bits", VECTOR_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("block_size", "num_kv_heads", "group", "head_dim"),
-    [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (24, 2, 3, 40), (8, 1, 16, 8)],
-)
+@pytest.mark.parametrize(("block_size", "num_kv_heads", "group", "head_dim"), INT8_EDGE_SHAPES)
 def test_int8_kernel_matches_reference_at_block_edges(
     dtype: torch.dtype, block_size: int, num_kv_heads: int, group: int, head_dim: int, vector_bits: int
 ) -> None:
