@@ -20,9 +20,14 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SOURCES = Path(__file__).with_name("cpu")
 
@@ -161,6 +166,14 @@ def _run_side_by_side(commands: list[list[str]], partial: str) -> None:
     if failures:
         Path(partial).unlink(missing_ok=True)
         raise KernelBuildError("\n".join(failures))
+
+
+def side_by_side(builds: Iterable[Callable[[], T]], threads: int | None = None) -> list[T]:
+    """Each build's result, in order, the builds run on `threads` threads (by default one per CPU):
+    compiles of different libraries then take a core each (build() is safe to run so). The first
+    exception is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, threads or os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda build: build(), builds))
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -6,7 +6,7 @@ The block linear's two builds take longest of all the CPU kernels: 15 s for floa
 for bfloat16 on a 2-core Zen 4 (GCC 12), each compiled in three parts side by side. Here the two
 builds start together, on a thread each, into the kernel cache (kernels/cpu_build.py) where a
 worker's first start and the tests find them; the fused ops and the pair-layout linear follow on
-the float32 thread. All five took 45 s on that machine. `make test` runs this beside the
+whichever thread is free first. All five took 45 s on that machine. `make test` runs this beside the
 type checks, so the compiles take the second core while mypy takes the first. A kernel this CPU
 cannot run is reported and skipped, as a worker skips it for its torch path; any other
 KernelBuildError (no compiler, a failed compile) exits 1.
@@ -15,8 +15,6 @@ KernelBuildError (no compiler, a failed compile) exits 1.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.cpu_block_linear import open_library, require_cpu
-from kernels.cpu_build import KernelBuildError, cache_dir, cpu_has
+from kernels.cpu_build import KernelBuildError, cache_dir, cpu_has, side_by_side
 from kernels.cpu_fused import load_cpu_fused_ops
 from kernels.cpu_pair_linear import load_pair_linear
 
@@ -59,38 +57,34 @@ def _pair_linear() -> str:
     return ""
 
 
-# One list a thread, the longest first.
-QUEUES: list[list[Build]] = [
-    [("block linear, bfloat16 x", _block_linear(torch.bfloat16))],
-    [
-        ("block linear, float32 x", _block_linear(torch.float32)),
-        ("fused ops, float32", _fused_ops(torch.float32)),
-        ("fused ops, bfloat16", _fused_ops(torch.bfloat16)),
-        ("pair-layout linear", _pair_linear),
-    ],
+# The longest first: each thread takes the next build when it is done with one.
+BUILDS: list[Build] = [
+    ("block linear, bfloat16 x", _block_linear(torch.bfloat16)),
+    ("block linear, float32 x", _block_linear(torch.float32)),
+    ("fused ops, float32", _fused_ops(torch.float32)),
+    ("fused ops, bfloat16", _fused_ops(torch.bfloat16)),
+    ("pair-layout linear", _pair_linear),
 ]
 
 
-def _run(queue: list[Build]) -> list[tuple[str, float, str]]:
-    """Each build in turn: its name, seconds, and why it was skipped ("" where it was built)."""
-    done = []
-    for name, build in queue:
+def _timed(build: Callable[[], str]) -> Callable[[], tuple[float, str]]:
+    def run() -> tuple[float, str]:
         started = time.perf_counter()
         skipped = build()
-        done.append((name, time.perf_counter() - started, skipped))
-    return done
+        return time.perf_counter() - started, skipped
+
+    return run
 
 
-def prebuild(threads: int) -> list[tuple[str, float, str]]:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return [entry for done in pool.map(_run, QUEUES) for entry in done]
+def prebuild(threads: int | None = None) -> list[tuple[str, float, str]]:
+    """Each build's name, seconds, and why it was skipped ("" where it was built)."""
+    timings = side_by_side([_timed(build) for _, build in BUILDS], threads)
+    return [(name, seconds, skipped) for (name, _), (seconds, skipped) in zip(BUILDS, timings, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--threads", type=int, default=min(len(QUEUES), os.cpu_count() or 1), help="builds at once"
-    )
+    parser.add_argument("--threads", type=int, default=None, help="builds at once (default: one a CPU)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:

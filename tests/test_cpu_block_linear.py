@@ -7,7 +7,7 @@ rounded once)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import functools
 from pathlib import Path
 
 import gguf
@@ -70,6 +70,7 @@ from kernels.cpu_block_linear import (
     load_block_linear,
     open_library,
 )
+from kernels.cpu_build import side_by_side
 from scheduler.model_files import find_default_model
 from tests.cpu_features import cpu_has
 
@@ -306,9 +307,10 @@ def widths() -> dict[tuple[torch.dtype, bool], BlockLinear]:
     """Each element type's kernel built without and with SPLIT_512, by (dtype, split): the two builds
     this CPU does not take compiled side by side, one a core (each takes 20-40 s)."""
     builds = [(dtype, split) for dtype in (torch.float32, torch.bfloat16) for split in (False, True)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        libraries = pool.map(lambda build: open_library(build[0], split_512=build[1]), builds)
-        return {build: BlockLinear(library) for build, library in zip(builds, libraries, strict=True)}
+    libraries = side_by_side(
+        functools.partial(open_library, dtype, split_512=split) for dtype, split in builds
+    )
+    return {build: BlockLinear(library) for build, library in zip(builds, libraries, strict=True)}
 
 
 @pytest.mark.skipif(not cpu_has("avx512bw"), reason="the float32 512-bit path needs AVX-512 BW")

@@ -12,6 +12,7 @@ import torch
 
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from kernels.cpu_build import side_by_side
 from kernels.cpu_decode import (
     KernelBuildError,
     build_cpu_decode_attention,
@@ -20,7 +21,6 @@ from kernels.cpu_decode import (
     paged_decode_attention_reference,
 )
 from tests.cpu_features import has_avx2_fma
-from tests.kernel_builds import built_side_by_side
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 SAME_ARITHMETIC = {torch.float32: 1e-6, torch.bfloat16: 8e-3}  # float32 rounding; one bfloat16 ulp near 1
@@ -91,7 +91,7 @@ def edge_builds(shapes: list[tuple[int, int, int, int]], kv_int8: bool) -> list[
 
 @pytest.fixture(scope="module", autouse=True)
 def _edge_variants_compiled() -> None:
-    built_side_by_side(edge_builds(EDGE_SHAPES, kv_int8=False))
+    side_by_side(edge_builds(EDGE_SHAPES, kv_int8=False))
 
 
 @pytest.mark.parametrize("vector_bits", VECTOR_PATHS)

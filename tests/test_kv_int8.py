@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_build import KernelBuildError
+from kernels.cpu_build import KernelBuildError, side_by_side
 from kernels.cpu_decode import load_cpu_decode_attention, paged_decode_attention_reference
 from kernels.kv_int8 import (
     Int8Cache,
@@ -15,7 +15,6 @@ from kernels.kv_int8 import (
     quantize_rows,
     write_kv_int8,
 )
-from tests.kernel_builds import built_side_by_side
 from tests.test_cpu_decode_kernel import TOLERANCE, VECTOR_PATHS, edge_builds, make_case
 
 
@@ -53,7 +52,7 @@ INT8_EDGE_SHAPES = [(16, 3, 3, 64), (8, 1, 8, 128), (32, 4, 1, 64), (24, 2, 3, 4
 
 @pytest.fixture(scope="module", autouse=True)
 def _edge_variants_compiled() -> None:
-    built_side_by_side(edge_builds(INT8_EDGE_SHAPES, kv_int8=True))
+    side_by_side(edge_builds(INT8_EDGE_SHAPES, kv_int8=True))
 
 
 @pytest.mark.parametrize("vector_bits", VECTOR_PATHS)
