@@ -5,7 +5,7 @@
 Each repeat launches the server, waits until its health check says SERVING, sends one request
 (it must come back), and stops it. Printed per start: seconds from launch to SERVING, and from
 the worker's log its phases: launch → Hello (imports, model config), weights loaded, KV cache
-allocated, warm-up. With several `--checkout`s (git worktrees of other commits, run with this
+allocated, warm-up; then the worker's resident memory after that request and its peak so far. With several `--checkout`s (git worktrees of other commits, run with this
 interpreter and their own sources), the starts take turns, so that each pair sees the same machine.
 With `--cold` each start gets an empty kernel cache, so it compiles every kernel it uses.
 """
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 from serving import free_port
 
 from duoserve_client import Client
@@ -52,6 +53,18 @@ def stamps(log: str, launched: float) -> dict[str, float]:
     return found
 
 
+def worker_memory_mb(launcher_pid: int) -> dict[str, float]:
+    """The worker's resident memory now and at its peak (Linux's VmRSS and VmHWM), in MB."""
+    workers = [
+        p for p in psutil.Process(launcher_pid).children(recursive=True) if "worker" in " ".join(p.cmdline())
+    ]
+    assert len(workers) == 1, f"expected one worker process, found {len(workers)}"
+    status = Path(f"/proc/{workers[0].pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    kilobytes = {name: int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")}
+    return {"worker_rss_mb": kilobytes["VmRSS"] / 1024, "worker_peak_mb": kilobytes["VmHWM"] / 1024}
+
+
 def start_once(checkout: Path, server_args: list[str], timeout: float, cold: bool) -> dict[str, float]:
     port = free_port()
     env = dict(os.environ)
@@ -72,6 +85,7 @@ def start_once(checkout: Path, server_args: list[str], timeout: float, cold: boo
             serving = time.monotonic() - launched
             reply = client.generate("What is the capital of France?", max_tokens=8)
             assert reply.token_ids, "the first request came back empty"
+            memory = worker_memory_mb(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
@@ -79,6 +93,7 @@ def start_once(checkout: Path, server_args: list[str], timeout: float, cold: boo
             shutil.rmtree(env["DUOSERVE_KERNEL_CACHE"], ignore_errors=True)
     row = stamps(log_path.read_text(), launched_wall)
     row["client_serving_s"] = serving
+    row.update(memory)
     log_path.unlink()
     return row
 
@@ -105,7 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for checkout in checkouts:
             start_once(checkout, server_args, args.timeout, cold=False)
     rows: dict[str, list[dict[str, float]]] = {str(c): [] for c in checkouts}
-    header = f"{'checkout':<28} {'SERVING s':>10} {'Hello s':>8} {'loaded s':>9} {'ready s':>8}"
+    header = (
+        f"{'checkout':<28} {'SERVING s':>10} {'Hello s':>8} {'loaded s':>9} {'ready s':>8}"
+        f" {'RSS MB':>7} {'peak MB':>8}"
+    )
     print(header)
     for _ in range(args.repeats):
         for checkout in checkouts:
@@ -114,10 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{checkout.name:<28} {row['client_serving_s']:>10.2f} {row.get('hello_s', float('nan')):>8.2f}"
                 f" {row.get('loaded_s', float('nan')):>9.2f} {row.get('ready_s', float('nan')):>8.2f}"
+                f" {row['worker_rss_mb']:>7.0f} {row['worker_peak_mb']:>8.0f}"
             )
     for checkout, runs in rows.items():
         median = statistics.median(r["client_serving_s"] for r in runs)
-        print(f"median launch → SERVING, {Path(checkout).name}: {median:.2f} s")
+        rss = statistics.median(r["worker_rss_mb"] for r in runs)
+        print(f"median launch → SERVING, {Path(checkout).name}: {median:.2f} s; worker RSS {rss:.0f} MB")
     if args.json:
         args.json.write_text(
             json.dumps({"server_args": server_args, "cold": args.cold, "starts": rows}, indent=2)
