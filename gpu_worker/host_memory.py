@@ -68,6 +68,23 @@ def keep_freed_memory() -> bool:
     return kept
 
 
+def return_free_memory() -> bool:
+    """Give the operating system back the free pages of malloc's heaps (glibc's malloc_trim):
+    kept free memory is for a step's buffers, not for what loading the weights freed once. False
+    where the C library has no malloc_trim (not glibc)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
 def transparent_huge_pages(setting: Path = THP_SETTING) -> str:
     """Linux's transparent huge page mode: "always", "madvise" or "never" (the bracketed choice of
     `setting`), or "unavailable" where there is no such file (another OS, a kernel without THP)."""

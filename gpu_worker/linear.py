@@ -250,6 +250,7 @@ class Linear:
         self._onednn_weight = self._pack_for_onednn() if packed and not self.pair_every_step else None
         self.blocks: Blocks | None = None
         self._block: BlockLinear | None = None
+        own_blocks = False
         # A weight that is its own blocks reads as many bytes as its pair layout: only where the
         # blocks take every step (`blocks_take`), not the small steps of a CPU that multiplies
         # bfloat16, which gain from the fewer bytes of quantized blocks.
@@ -264,6 +265,7 @@ class Linear:
             and weight.is_contiguous()
         ):
             blocks = BlockWeight.dense(weight.detach())
+            own_blocks = True
         # Steps of up to this many rows take the blocks (None: every step).
         self.block_max_rows: int | None = BLOCK_MAX_ROWS if weight.dtype == torch.float32 else None
         small_steps = small_steps_take_blocks(weight.dtype, device)
@@ -278,6 +280,7 @@ class Linear:
                 if self._block is not None and not self._block.dot_products:
                     self._block = None  # rounding each weight, the blocks are slower than the pairs
             self.blocks = blocks if self._block is not None else None
+        self._weight_is_blocks = own_blocks and self.blocks is not None  # the block kernel reads it
         if self.blocks_only and self.blocks is None:
             raise ValueError(
                 f"a {list(weight.shape)} weight held as a shape only needs blocks and the block kernel"
@@ -285,6 +288,14 @@ class Linear:
 
     def _pack_for_onednn(self) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_BATCH_HINT)
+
+    @property
+    def reads_weight(self) -> bool:
+        """Whether a step can read `weight` itself: an unpacked linear multiplies on it, and the
+        block kernel on a bfloat16 weight that is its own blocks. A packed linear's steps read only
+        the copies packed from it (oneDNN's, the pair layout) and its blocks, so once packed its
+        weight may be held as a shape alone (`LlamaModel.release_unread_weights`)."""
+        return not self.weight.is_meta and (not self.packed or self._weight_is_blocks)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks_only:

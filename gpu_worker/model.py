@@ -331,6 +331,32 @@ class LlamaModel(nn.Module):
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head), self_blocks)
 
+    def release_unread_weights(self) -> int:
+        """Hold as shapes alone the dense weights that no step reads (`Linear.reads_weight`: those
+        of packed linears, which multiply on the copies packed from them), so that their memory is
+        freed; bytes released. A tied LM head's weight is the embedding's, which is looked up, and
+        stays. The worker calls this once loaded; tests and benchmarks that read the weights do not."""
+        owners: list[tuple[nn.Module, str, Linear]] = []
+        for layer in self.decoder_layers():
+            owners += [
+                (layer, "qkv_weight", layer.qkv),
+                (layer, "o_weight", layer.o_proj),
+                (layer, "gate_up_weight", layer.gate_up),
+                (layer, "down_weight", layer.down),
+            ]
+        if not self.config.tie_word_embeddings:
+            owners.append((self, "lm_head", self.lm_head_linear))
+        released = 0
+        for module, attr, linear in owners:
+            weight = getattr(module, attr)
+            if weight.is_meta or linear.weight is not weight or linear.reads_weight:
+                continue
+            shape = _empty_param(tuple(weight.shape), weight.dtype, torch.device("meta"))
+            setattr(module, attr, shape)
+            linear.weight = shape
+            released += weight.numel() * weight.element_size()
+        return released
+
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 

@@ -21,6 +21,7 @@ import torch
 from gpu_worker.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
 from gpu_worker.config import WorkerConfig
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from gpu_worker.host_memory import return_free_memory
 from gpu_worker.kv_cache import KVCache, kv_cache_bytes_per_block
 from gpu_worker.linear import (
     BLOCK_MAX_ROWS,
@@ -352,6 +353,10 @@ def load_weights(
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
     model.load_weights(weights, blocks)
     del weights
+    released = model.release_unread_weights()
+    if released:
+        return_free_memory()
+        log.info("%.0f MB of dense weights released: packed copies of them take their steps", released / 1e6)
     if blocks is not None:
         linears = model.linears()
         types = Counter(lin.blocks.type_name for lin in linears if lin.blocks is not None)

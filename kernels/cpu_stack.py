@@ -184,8 +184,9 @@ class BoundStack:
             tensor = getattr(layer, name)
             if tensor is None:
                 continue
-            # The block stack reads only the shapes of the plain weights: they may be shapes alone.
-            shape_only = self.stack.blocks and name.endswith("_weight") and tensor.is_meta
+            # The stacks read only the shapes of the plain weights (the blocks or pair layouts are
+            # what they multiply on): they may be shapes alone.
+            shape_only = name.endswith("_weight") and tensor.is_meta
             require(
                 tuple(tensor.shape) == shape
                 and tensor.dtype == self.dtype

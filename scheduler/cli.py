@@ -206,7 +206,7 @@ WORKER_FLAGS = (
         str,
         "auto",
         "CPU, with --block-linear: keep dense copies of the weights that have blocks (keep: in "
-        "float32 they and oneDNN's packed copies take steps of more than 256 rows (64 with AVX-512), "
+        "float32 oneDNN's packed copies of them take steps of more than 256 rows (64 with AVX-512), "
         "faster there), hold the blocks alone and multiply on them at every step (drop: memory "
         "about the file's size), or (auto) drop them in bfloat16, where the blocks take every "
         "step anyway, and in float32 once the copies would take more than a quarter of the free memory",

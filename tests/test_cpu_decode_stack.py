@@ -42,11 +42,15 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def bfloat16_model(
-    tiny: tuple[ModelConfig, Any], stack: bool, kv_int8: bool = False
+    tiny: tuple[ModelConfig, Any], stack: bool, kv_int8: bool = False, release: bool = False
 ) -> tuple[LlamaModel, KVCache]:
+    """With `release`, the dense weights that only the pair layouts were packed from are released,
+    as the worker does once loaded: the stack then binds on their shapes alone."""
     config, weights = tiny
     model = LlamaModel(config, torch.bfloat16, CPU)
     model.load_weights(weights)
+    if release:
+        assert model.release_unread_weights() > 0
     attention = make_attention("cpu", config, torch.bfloat16, CPU, BLOCK_SIZE, kv_int8=kv_int8)
     assert isinstance(attention, CpuPagedAttention) and attention.decode_stack is not None
     assert attention.decode_stack.kv_int8 == kv_int8
@@ -62,7 +66,7 @@ def test_the_stack_computes_the_per_op_forward_bit_for_bit(
     tiny: tuple[ModelConfig, Any], rows: int, with_yield_points: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counting = CountingRuns(monkeypatch)
-    stacked, stacked_cache = bfloat16_model(tiny, stack=True)
+    stacked, stacked_cache = bfloat16_model(tiny, stack=True, release=True)
     per_op, per_op_cache = bfloat16_model(tiny, stack=False)
     # Prompts of 7 and 14 tokens: their decodes cross the block boundary at 16 within 12 steps.
     tables = [list(range(4 * s, 4 * s + 4)) for s in range(rows)]
@@ -97,7 +101,7 @@ def test_on_an_int8_cache_the_stack_computes_the_per_op_forward_bit_for_bit(
     """`--kv-cache-dtype int8`: the stack's build quantizes the step's rows and reads the int8 cache
     as the per-op path's C write and decode kernel do; caches, scales and logits alike."""
     counting = CountingRuns(monkeypatch)
-    stacked, stacked_cache = bfloat16_model(tiny, stack=True, kv_int8=True)
+    stacked, stacked_cache = bfloat16_model(tiny, stack=True, kv_int8=True, release=True)
     per_op, per_op_cache = bfloat16_model(tiny, stack=False, kv_int8=True)
     tables = [list(range(4 * s, 4 * s + 4)) for s in range(rows)]
     prompts = [[(5 * i + 3 * s) % 250 + 3 for i in range(9 if s % 2 == 0 else 15)] for s in range(rows)]

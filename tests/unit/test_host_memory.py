@@ -50,6 +50,34 @@ def test_freed_blocks_stay_in_the_heap_once_the_thresholds_are_fixed() -> None:
     assert kept["keep"] >= 24 << 20, kept  # kept for the next step
 
 
+# With the thresholds fixed, 24 MiB freed stays resident; return_free_memory gives it back.
+TRIM_PROBE = """
+import ctypes
+from gpu_worker.host_memory import keep_freed_memory, return_free_memory
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+assert keep_freed_memory()
+block = libc.malloc(24 << 20)
+ctypes.memset(block, 1, 24 << 20)
+libc.free(block)
+kept = resident()
+assert return_free_memory()
+print(kept - resident())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_memory_freed_into_the_heap_goes_back_to_the_system_when_asked() -> None:
+    done = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True)
+    assert int(done.stdout) >= 20 << 20, done.stdout
+
+
 def test_transparent_huge_pages_reads_the_bracketed_mode(tmp_path: Path) -> None:
     setting = tmp_path / "enabled"
     setting.write_text("always [madvise] never\n")
