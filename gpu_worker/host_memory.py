@@ -36,6 +36,7 @@ import platform
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,23 @@ FIRST_GLIBC_WITH_IT = (2, 35)
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def _libc_function(name: str) -> Any | None:
+    """The C library's function `name`, or None where there is no such function (a C library
+    other than glibc: musl, macOS)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Fix glibc malloc's mmap and trim thresholds (above); False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False  # a C library without mallopt (musl, macOS)
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     kept = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
@@ -72,12 +81,8 @@ def return_free_memory() -> bool:
     """Give the operating system back the free pages of malloc's heaps (glibc's malloc_trim):
     kept free memory is for a step's buffers, not for what loading the weights freed once. False
     where the C library has no malloc_trim (not glibc)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
+    trim = _libc_function("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
