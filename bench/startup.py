@@ -5,8 +5,9 @@
 Each repeat launches the server, waits until its health check says SERVING, sends one request
 (it must come back), and stops it. Printed per start: seconds from launch to SERVING, and from
 the worker's log its phases: launch → Hello (imports, model config), weights loaded, KV cache
-allocated, warm-up; then the worker's resident memory after that request and its peak so far. With several `--checkout`s (git worktrees of other commits, run with this
-interpreter and their own sources), the starts take turns, so that each pair sees the same machine.
+allocated, warm-up; then the worker's resident memory after that request and its peak so far.
+With several `--checkout`s (git worktrees of other commits, run with this interpreter and their
+own sources), the starts take turns, so that each pair sees the same machine.
 With `--cold` each start gets an empty kernel cache, so it compiles every kernel it uses.
 """
 

@@ -41,6 +41,11 @@ def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _shape_only(weight: torch.Tensor) -> nn.Parameter:
+    """A parameter of `weight`'s shape and dtype without storage (on the "meta" device)."""
+    return _empty_param(tuple(weight.shape), weight.dtype, torch.device("meta"))
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32 and cast back, as the reference Llama implementation does."""
 
@@ -293,8 +298,7 @@ class LlamaModel(nn.Module):
             if any(part.is_meta for part in parts):
                 if not all(part.is_meta for part in parts):
                     raise ValueError(f"weights {list(names)} were read only in part")
-                old = getattr(module, attr)
-                setattr(module, attr, _empty_param(tuple(old.shape), old.dtype, torch.device("meta")))
+                setattr(module, attr, _shape_only(getattr(module, attr)))
                 return
             getattr(module, attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
@@ -351,7 +355,7 @@ class LlamaModel(nn.Module):
             weight = getattr(module, attr)
             if weight.is_meta or linear.weight is not weight or linear.reads_weight:
                 continue
-            shape = _empty_param(tuple(weight.shape), weight.dtype, torch.device("meta"))
+            shape = _shape_only(weight)
             setattr(module, attr, shape)
             linear.weight = shape
             released += weight.numel() * weight.element_size()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 
 from gpu_worker import model as model_module
+from gpu_worker import startup
 from gpu_worker.batch import ScheduledChunk, build_forward_batch
+from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.linear import packed_linear_available
 from gpu_worker.model import LlamaModel
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.startup import make_attention
+from kernels.cpu_block_linear import BlockLinear
 from tests.worker_steps import save_tiny_llama
 
 pytest.importorskip("transformers")
@@ -34,7 +37,7 @@ def loaded(tiny: tuple[ModelConfig, Any], dtype: torch.dtype) -> LlamaModel:
     config, weights = tiny
     model = LlamaModel(config, dtype, CPU)
     model.load_weights(weights)
-    model.use_attention(make_attention("cpu", config, dtype, CPU, BLOCK_SIZE))
+    model.use_attention(startup.make_attention("cpu", config, dtype, CPU, BLOCK_SIZE))
     return model
 
 
@@ -98,14 +101,9 @@ def test_linears_that_multiply_on_their_weights_keep_them(
 
 def test_the_worker_releases_them_once_loaded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """gpu_worker/startup.py's load_weights, as a worker runs it on a float32 directory."""
-    from concurrent.futures import Future
-
-    from gpu_worker import startup
-    from gpu_worker.config import WorkerConfig
-
     config, _ = save_tiny_llama(tmp_path)
     settings = WorkerConfig(model=str(tmp_path), scheduler_address="ipc:///unused")
-    no_blocks: Future[None] = Future()
+    no_blocks: Future[BlockLinear | None] = Future()
     no_blocks.set_result(None)
     with caplog.at_level("INFO", logger="gpu_worker.startup"):
         model = startup.load_weights(settings, config, torch.float32, CPU, no_blocks)
