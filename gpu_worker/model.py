@@ -8,7 +8,7 @@ Weights are stored fused: q/k/v as one [(H + 2 Hkv) * Dh, hidden] matrix and gat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,21 @@ def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 def _shape_only(weight: torch.Tensor) -> nn.Parameter:
     """A parameter of `weight`'s shape and dtype without storage (on the "meta" device)."""
     return _empty_param(tuple(weight.shape), weight.dtype, torch.device("meta"))
+
+
+def _release_unread(owners: Sequence[tuple[nn.Module, str, Linear]]) -> int:
+    """Hold as shapes alone the weights that no step reads, each named by its module and attribute
+    beside the linear that multiplies on it (see LlamaModel.release_unread_weights); bytes released."""
+    released = 0
+    for module, attr, linear in owners:
+        weight = getattr(module, attr)
+        if weight.is_meta or linear.weight is not weight or linear.reads_weight:
+            continue
+        shape = _shape_only(weight)
+        setattr(module, attr, shape)
+        linear.weight = shape
+        released += weight.numel() * weight.element_size()
+    return released
 
 
 class RMSNorm(nn.Module):
@@ -140,6 +155,17 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.o_weight, None, packed, pair, o, self_blocks)
         self.gate_up = GateUpLinear(self.gate_up_weight, packed, pair, gate_up, self_blocks)
         self.down = Linear(self.down_weight, None, packed, pair, down, self_blocks)
+
+    def release_unread_weights(self) -> int:
+        """LlamaModel.release_unread_weights for this layer's four weights; bytes released."""
+        return _release_unread(
+            [
+                (self, "qkv_weight", self.qkv),
+                (self, "o_weight", self.o_proj),
+                (self, "gate_up_weight", self.gate_up),
+                (self, "down_weight", self.down),
+            ]
+        )
 
     def forward(
         self,
@@ -277,18 +303,32 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def load_weights(
-        self, state_dict: Mapping[str, torch.Tensor], blocks: Mapping[str, BlockWeight] | None = None
-    ) -> None:
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        blocks: Mapping[str, BlockWeight] | None = None,
+        consume: bool = False,
+    ) -> int:
         """Copy HF-named tensors (as returned by `load_model`) into the fused parameters. `blocks`
         (from `load_block_weights`, the same files'; None: no block kernel) lets CPU linears take the
         block kernel where `blocks_take` (gpu_worker/linear.py) says so; in bfloat16 there, every
-        linear without quantized blocks multiplies on its own weight on it. Where the CPU multiplies
-        bfloat16, steps of up to SMALL_STEP_ROWS rows take the quantized blocks (`small_steps_take_blocks`). Weights left unread
-        (`load_model`'s `shape_only`, chosen from `blocks_only_weights`) are held as shapes only
-        and their linears multiply on the blocks at every step."""
+        linear without quantized blocks multiplies on its own weight on it. Where the CPU
+        multiplies bfloat16, steps of up to SMALL_STEP_ROWS rows take the quantized blocks
+        (`small_steps_take_blocks`). Weights left unread (`load_model`'s `shape_only`, chosen from
+        `blocks_only_weights`) are held as shapes only and their linears multiply on the blocks at
+        every step.
+
+        `consume` (the worker's load, of a state dict it needs no more): each tensor leaves
+        `state_dict` once copied in, and each layer's weights that no step reads are released as
+        soon as its linears are packed (`release_unread_weights`). The load then holds about one
+        layer's dense weights beside what the model keeps, where it would otherwise hold the state
+        dict, the parameters and the packed copies whole. Returns the bytes released (0 without
+        `consume`)."""
 
         def take(name: str) -> torch.Tensor:
             assert name in state_dict, f"weight {name!r} missing from the state dict"
+            if consume:
+                assert isinstance(state_dict, MutableMapping), "consume takes the tensors out of a dict"
+                return state_dict.pop(name)
             return state_dict[name]
 
         def fill(module: nn.Module, attr: str, names: Sequence[str]) -> None:
@@ -302,14 +342,25 @@ class LlamaModel(nn.Module):
                 return
             getattr(module, attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
-        if take("model.embed_tokens.weight").is_meta:
-            raise ValueError("model.embed_tokens.weight must be read: the embedding looks its rows up")
-        fill(self, "embed_tokens", ["model.embed_tokens.weight"])
+        embedding = "model.embed_tokens.weight"
+        if embedding in state_dict and state_dict[embedding].is_meta:
+            raise ValueError(f"{embedding} must be read: the embedding looks its rows up")
+        fill(self, "embed_tokens", [embedding])
         self.norm.weight.copy_(take("model.norm.weight"))
         if not self.config.tie_word_embeddings:
             fill(self, "lm_head", ["lm_head.weight"])
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
+        # How the linears multiply, bound to each layer's weights once they are in: the packed
+        # copies are taken of the loaded values.
+        packed = packed_linear_available(self.dtype, self.device)
+        # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
+        own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
+        pair = pair_kernel() if own else None
+        takes_blocks = blocks is not None and blocks_take(self.dtype, self.device)
+        self_blocks = takes_blocks and self.dtype == torch.bfloat16
+        small_steps = small_steps_take_blocks(self.dtype, self.device)  # beside the pair layouts
+        blocks = blocks if blocks and (takes_blocks or small_steps) else {}
+        released = 0
+        for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             qkv, o, gate_up, down = _layer_weight_names(p)
             fill(layer, "qkv_weight", qkv)
@@ -320,46 +371,28 @@ class LlamaModel(nn.Module):
             fill(layer, "down_weight", down)
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-        # Packed copies are taken of the loaded values, so this comes last.
-        packed = packed_linear_available(self.dtype, self.device)
-        # Pair layouts are bfloat16: float32 linears take oneDNN's packed kernel at every size.
-        own = packed and self.dtype == torch.bfloat16 and self.small_batch_linears
-        pair = pair_kernel() if own else None
-        takes_blocks = blocks is not None and blocks_take(self.dtype, self.device)
-        self_blocks = takes_blocks and self.dtype == torch.bfloat16
-        small_steps = small_steps_take_blocks(self.dtype, self.device)  # beside the pair layouts
-        blocks = blocks if blocks and (takes_blocks or small_steps) else {}
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(packed, pair, _layer_blocks(blocks, f"model.layers.{i}."), self_blocks)
-        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+            layer.prepare_linears(packed, pair, _layer_blocks(blocks, p), self_blocks)
+            if consume:
+                released += layer.release_unread_weights()
+        head = embedding if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head_linear = Linear(self.lm_head, None, packed, pair, blocks.get(head), self_blocks)
+        if consume:
+            released += self._release_unread_head()
+        return released
 
     def release_unread_weights(self) -> int:
         """Hold as shapes alone the dense weights that no step reads (`Linear.reads_weight`: those
         of packed linears, which multiply on the copies packed from them), so that their memory is
         freed; bytes released. A tied LM head's weight is the embedding's, which is looked up, and
-        stays. The worker calls this once loaded; tests and benchmarks that read the weights do not."""
-        owners: list[tuple[nn.Module, str, Linear]] = []
-        for layer in self.decoder_layers():
-            owners += [
-                (layer, "qkv_weight", layer.qkv),
-                (layer, "o_weight", layer.o_proj),
-                (layer, "gate_up_weight", layer.gate_up),
-                (layer, "down_weight", layer.down),
-            ]
-        if not self.config.tie_word_embeddings:
-            owners.append((self, "lm_head", self.lm_head_linear))
-        released = 0
-        for module, attr, linear in owners:
-            weight = getattr(module, attr)
-            if weight.is_meta or linear.weight is not weight or linear.reads_weight:
-                continue
-            shape = _shape_only(weight)
-            setattr(module, attr, shape)
-            linear.weight = shape
-            released += weight.numel() * weight.element_size()
-        return released
+        stays. The worker's load does this layer by layer (`load_weights`' `consume`); tests and
+        benchmarks that read the weights do not."""
+        released = sum(layer.release_unread_weights() for layer in self.decoder_layers())
+        return released + self._release_unread_head()
+
+    def _release_unread_head(self) -> int:
+        if self.config.tie_word_embeddings:
+            return 0
+        return _release_unread([(self, "lm_head", self.lm_head_linear)])
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]

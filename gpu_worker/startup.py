@@ -351,9 +351,8 @@ def load_weights(
     fill_unread(weights, widened, Path(config.model))
     del widened
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)
-    model.load_weights(weights, blocks)
+    released = model.load_weights(weights, blocks, consume=True)
     del weights
-    released = model.release_unread_weights()
     if released:
         return_free_memory()
         log.info("%.0f MB of dense weights released: packed copies of them take their steps", released / 1e6)

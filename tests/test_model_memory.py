@@ -1,5 +1,6 @@
 """What a loaded CPU model holds: the dense weights its packed linears never read are released
-(LlamaModel.release_unread_weights, called by the worker once loaded), and every step stays the same."""
+(LlamaModel.release_unread_weights; the worker's load releases them layer by layer), and every step
+stays the same."""
 
 from __future__ import annotations
 
@@ -84,6 +85,60 @@ def test_released_weights_leave_every_step_unchanged(
     assert model.release_unread_weights() == 0  # nothing left to release
     after = steps(model)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_a_consuming_load_releases_as_it_goes_and_steps_the_same(
+    tiny: tuple[ModelConfig, Any], dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_weights(consume=True), the worker's load: when a layer's linears are packed, the layers
+    before it hold no dense weight and the state dict none of its or their tensors; it releases
+    what release_unread_weights does, takes every tensor out of the state dict, and every step is
+    the same bits."""
+    if not packed_linear_available(dtype, CPU):
+        pytest.skip(f"oneDNN's packed linear does not run in {dtype} on this CPU")
+    config, weights = tiny
+    reference = loaded(tiny, dtype)
+    want = reference.release_unread_weights()
+    assert want > 0
+
+    model = LlamaModel(config, dtype, CPU)
+    state = dict(weights)
+    seen: list[int] = []
+    prepare = model_module.DecoderLayer.prepare_linears
+
+    def packing(layer: model_module.DecoderLayer, *args: Any, **kwargs: Any) -> None:
+        index = next(i for i, each in enumerate(model.decoder_layers()) if each is layer)
+        earlier = model.decoder_layers()[:index]
+        assert all(
+            w.is_meta
+            for each in earlier
+            for w in (each.qkv_weight, each.o_weight, each.gate_up_weight, each.down_weight)
+        ), f"a layer before layer {index} still holds a dense weight"
+        assert not [
+            name for name in state if name.startswith(tuple(f"model.layers.{i}." for i in range(index + 1)))
+        ]
+        seen.append(index)
+        prepare(layer, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.DecoderLayer, "prepare_linears", packing)
+    assert model.load_weights(state, consume=True) == want
+    monkeypatch.undo()
+    assert seen == list(range(config.num_layers))
+    assert state == {}
+    assert all(lin.weight.is_meta for lin in model.linears()[1:])
+    assert model.lm_head.is_meta != config.tie_word_embeddings
+    model.use_attention(startup.make_attention("cpu", config, dtype, CPU, BLOCK_SIZE))
+    assert all(torch.equal(a, b) for a, b in zip(steps(reference), steps(model), strict=True))
+
+
+def test_a_load_that_does_not_consume_leaves_the_state_dict_and_the_weights(
+    tiny: tuple[ModelConfig, Any],
+) -> None:
+    config, weights = tiny
+    state = dict(weights)
+    assert LlamaModel(config, torch.float32, CPU).load_weights(state) == 0
+    assert state.keys() == weights.keys() and all(state[name] is weights[name] for name in weights)
 
 
 def test_linears_that_multiply_on_their_weights_keep_them(
