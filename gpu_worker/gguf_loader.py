@@ -25,7 +25,11 @@ def _gguf_reader(path: Path) -> GGUFFile:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-def load_gguf(path: Path, shape_only: Collection[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: Path, shape_only: Collection[str], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The file's tensors as load_model gives them: dequantized, each converted to `dtype` before
+    the next is read."""
     import gguf
 
     reader = _gguf_reader(path)
@@ -42,7 +46,7 @@ def load_gguf(path: Path, shape_only: Collection[str]) -> tuple[ModelConfig, dic
         # GGUF lists dimensions fastest-first; torch wants them slowest-first.
         shape = tuple(int(d) for d in reversed(t.shape))
         if hf_name in shape_only:
-            tensors[hf_name] = torch.empty(shape, dtype=torch.float32, device="meta")
+            tensors[hf_name] = torch.empty(shape, dtype=dtype, device="meta")
             continue
         try:
             array = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -58,7 +62,7 @@ def load_gguf(path: Path, shape_only: Collection[str]) -> tuple[ModelConfig, dic
             weight = _unpermute_rotary_rows(weight, config.num_heads, config.head_dim)
         elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             weight = _unpermute_rotary_rows(weight, config.num_kv_heads, config.head_dim)
-        tensors[hf_name] = weight
+        tensors[hf_name] = weight.to(dtype)
     return config, tensors
 
 

@@ -17,12 +17,14 @@ from kernels.block_weights import DENSE_TYPES, BlockWeight
 _HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def load_hf_directory(path: Path, shape_only: Collection[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_directory(
+    path: Path, shape_only: Collection[str], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     config_file = path / "config.json"
     config = _hf_config(config_file, _read_json(config_file), default_name=path.name)
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
-        for name, tensor in _read_safetensors(file, shape_only=shape_only):
+        for name, tensor in _read_safetensors(file, shape_only=shape_only, dtype=dtype):
             if name in tensors:
                 raise ModelLoadError(f"{file}: tensor {name!r} is also stored in another file of {path}")
             tensors[name] = tensor
@@ -151,10 +153,10 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _read_safetensors(
-    file: Path, as_stored: bool = False, shape_only: Collection[str] = ()
+    file: Path, as_stored: bool = False, shape_only: Collection[str] = (), dtype: torch.dtype = torch.float32
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors, in float32 or (`as_stored`) in the file's dtypes; those in `shape_only`
-    unread, as float32 tensors of their shapes on the "meta" device."""
+    """The file's tensors, in `dtype` or (`as_stored`) in the file's dtypes; those in `shape_only`
+    unread, as tensors of their shapes on the "meta" device."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -162,9 +164,9 @@ def _read_safetensors(
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in shape_only:
                     shape = handle.get_slice(name).get_shape()
-                    yield name, torch.empty(shape, dtype=torch.float32, device="meta")
+                    yield name, torch.empty(shape, dtype=dtype, device="meta")
                     continue
                 tensor = handle.get_tensor(name)
-                yield name, tensor if as_stored else tensor.to(torch.float32)
+                yield name, tensor if as_stored else tensor.to(dtype)
     except (SafetensorError, OSError) as exc:
         raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc

@@ -1,4 +1,5 @@
-"""Model files → (ModelConfig, float32 state dict with Hugging Face Llama tensor names).
+"""Model files → (ModelConfig, state dict with Hugging Face Llama tensor names, in float32 or the
+model's dtype).
 
 Two formats: a GGUF file (gpu_worker/gguf_loader.py) and a Hugging Face directory
 (gpu_worker/hf_loader.py). Everything that can be wrong with a model file is reported as a
@@ -23,19 +24,21 @@ from kernels.block_weights import BlockWeight
 
 
 def load_model(
-    path: str | Path, shape_only: Collection[str] = ()
+    path: str | Path, shape_only: Collection[str] = (), dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load a .gguf file or an HF directory; tensors are float32 with HF Llama names, validated.
-    The tensors named in `shape_only` are not read: they come back as float32 tensors on the
-    "meta" device, their shapes checked (for weights the caller multiplies as the files store them,
-    `load_block_weights`)."""
+    """Load a .gguf file or an HF directory; tensors are in `dtype` with HF Llama names, validated.
+    Each is converted as it is read (a GGUF file's dequantized to float32 first), so a bfloat16
+    model's state dict takes half the memory of a float32 one, with the values its parameters
+    would round them to anyway. The tensors named in `shape_only` are not read: they come back as
+    tensors on the "meta" device, their shapes checked (for weights the caller multiplies as the
+    files store them, `load_block_weights`)."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
     if path.is_dir():
-        config, tensors = load_hf_directory(path, shape_only)
+        config, tensors = load_hf_directory(path, shape_only, dtype)
     elif path.suffix == ".gguf":
-        config, tensors = load_gguf(path, shape_only)
+        config, tensors = load_gguf(path, shape_only, dtype)
     else:
         raise ModelLoadError(f"model path {path} is neither a .gguf file nor a directory with config.json")
     return config, validate_state_dict(config, tensors, path)

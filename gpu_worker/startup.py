@@ -347,7 +347,8 @@ def load_weights(
             widened = {
                 name: kernel.widen(weight) for name, weight in blocks.items() if name not in shape_only
             }
-    model_config, weights = load_model(config.model, shape_only | set(widened))
+    # In the model's dtype: a bfloat16 state dict takes half the memory of a float32 one.
+    model_config, weights = load_model(config.model, shape_only | set(widened), dtype)
     fill_unread(weights, widened, Path(config.model))
     del widened
     model = LlamaModel(model_config, dtype, device, small_batch_linears=config.small_batch_linear)

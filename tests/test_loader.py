@@ -64,6 +64,21 @@ def test_hf_directory_loads_every_tensor(tmp_path: Path, shards: int) -> None:
         torch.testing.assert_close(tensor, written[name].to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hf_directory_loads_in_the_models_dtype_the_values_its_float32_tensors_round_to(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    _write_hf_dir(tmp_path, shards=3)
+    _, wide = load_model(tmp_path)
+    unread = {"model.layers.0.mlp.up_proj.weight"}
+    _, narrow = load_model(tmp_path, shape_only=unread, dtype=dtype)
+    assert set(narrow) == set(wide)
+    for name, tensor in narrow.items():
+        assert tensor.dtype == dtype and tensor.is_meta == (name in unread), name
+        if name not in unread:
+            assert torch.equal(tensor, wide[name].to(dtype)), name
+
+
 def test_hf_directory_leaves_shape_only_tensors_unread(tmp_path: Path) -> None:
     written = _write_hf_dir(tmp_path, shards=3)
     unread = {"model.layers.1.mlp.down_proj.weight", "lm_head.weight"}
@@ -182,6 +197,20 @@ def test_default_gguf_tensors() -> None:
     assert {name for name, t in some.items() if t.is_meta} == unread
     assert all(torch.equal(t, tensors[name]) for name, t in some.items() if name not in unread)
     assert all(some[name].shape == tensors[name].shape for name in unread)
+
+
+@pytest.mark.slow
+def test_default_gguf_loads_in_bfloat16_the_values_its_float32_tensors_round_to() -> None:
+    """A bfloat16 worker's state dict: each tensor dequantized, then rounded as its parameter would
+    round it, before the next is read."""
+    _, wide = load_model(find_default_model())
+    unread = {"model.layers.5.mlp.down_proj.weight"}
+    _, narrow = load_model(find_default_model(), shape_only=unread, dtype=torch.bfloat16)
+    assert set(narrow) == set(wide)
+    for name, tensor in narrow.items():
+        assert tensor.dtype == torch.bfloat16 and tensor.is_meta == (name in unread), name
+        if name not in unread:
+            assert torch.equal(tensor, wide[name].bfloat16()), name
 
 
 def test_kv_cache_layout() -> None:
