@@ -124,6 +124,23 @@ def test_a_tensor_with_a_value_that_is_not_finite_is_named(tmp_path: Path, value
         load_model(tmp_path)
 
 
+def test_a_value_past_the_models_dtype_is_named_with_that_dtype(tmp_path: Path) -> None:
+    """1e5 is a finite bfloat16 but past float16's range: a float16 model cannot hold it."""
+    written = _write_hf_dir(tmp_path)
+    large = written["model.layers.0.mlp.up_proj.weight"].clone()
+    large[2, 7] = 1e5
+    stored = {name: tensor.to(torch.bfloat16) for name, tensor in written.items()}
+    save_file(
+        {**stored, "model.layers.0.mlp.up_proj.weight": large.bfloat16()}, tmp_path / "model.safetensors"
+    )
+    load_model(tmp_path, dtype=torch.bfloat16)  # it holds it
+    with pytest.raises(
+        ModelLoadError,
+        match=r"'model\.layers\.0\.mlp\.up_proj\.weight' contains NaN or infinite values as float16",
+    ):
+        load_model(tmp_path, dtype=torch.float16)
+
+
 def test_tensors_read_elsewhere_fill_the_unread_ones_checked_as_read_ones(tmp_path: Path) -> None:
     """The worker widens blocks into the dense copies load_model left unread (gpu_worker/startup.py)."""
     written = _write_hf_dir(tmp_path)
