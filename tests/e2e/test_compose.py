@@ -43,6 +43,19 @@ def test_the_stack_has_its_services_ports_and_health_checks() -> None:
     assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["scheduler:9400"]
 
 
+def test_the_worker_keeps_its_kernel_builds_in_a_volume_at_the_images_kernel_cache() -> None:
+    """A recreated worker container finds the kernels the last one compiled (30 s and more)."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile.cpu").read_text()
+    cache = next(
+        line.split("=", 1)[1]
+        for line in dockerfile.splitlines()
+        if line.startswith("ENV DUOSERVE_KERNEL_CACHE=")
+    )
+    mounts = dict(volume.split(":")[:2] for volume in SERVICES["worker"]["volumes"])
+    assert {volume for volume, path in mounts.items() if path == cache} == {"duoserve-kernels"}
+    assert "duoserve-kernels" in COMPOSE["volumes"]
+
+
 def test_every_dockerfile_bakes_the_model_in_and_runs_a_valid_command() -> None:
     for dockerfile in ("Dockerfile.cpu", "Dockerfile.cuda"):
         text = (ROOT / "deploy" / dockerfile).read_text()
