@@ -70,24 +70,34 @@ def test_every_server_config_and_test_path_it_names_is_current(monkeypatch: pyte
 
 
 def test_each_pytest_step_it_runs_collects_tests() -> None:
-    """A step whose -k matches nothing would exit 5 on the GPU machine: each collects some here."""
+    """A step whose -k matches nothing would exit 5 on the GPU machine: each collects some here.
+    The steps' collections run side by side, a core each."""
     import shlex
     import sys
 
     script = (REPO / "bench" / "gpu_check.sh").read_text()
     steps = re.findall(r'^run (tests-[\w-]+) \d+ "\$\{PYTEST\[@\]\}" (.+)$', script, re.M)
     assert {name for name, _ in steps} >= {"tests-kernels", "tests-gpu", "tests-e2e"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    collecting = {}
     for name, args in steps:
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
         args = re.sub(
             r'"\$\{\w+\[@\]\}"\s*', "", args
         )  # option arrays (pytest-xdist's -n) the machine may set
-        done = subprocess.run(
+        collecting[name] = subprocess.Popen(
             [*command, "--collect-only", *shlex.split(args)],
             cwd=REPO,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=120,
         )
-        collected = re.search(r"(\d+)(?:/\d+)? tests? collected", done.stdout)
-        assert done.returncode == 0 and collected and int(collected[1]) > 0, (name, done.stdout[-2000:])
+    try:
+        for name, process in collecting.items():
+            output, _ = process.communicate(timeout=120)
+            collected = re.search(r"(\d+)(?:/\d+)? tests? collected", output)
+            assert process.returncode == 0 and collected and int(collected[1]) > 0, (name, output[-2000:])
+    finally:
+        for process in collecting.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
