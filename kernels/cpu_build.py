@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -135,6 +136,10 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
     fd, partial = tempfile.mkstemp(dir=directory, prefix=".build-", suffix=".so")
     os.close(fd)
     count = parts(text)
+    # Said before the compile starts: the longest (the block linear) takes half a minute on 2 cores,
+    # once per CPU and compiler, and a first start would otherwise seem to hang.
+    log.info("compiling the CPU kernel %s for this CPU, once: it is kept in %s", source.stem, directory)
+    started = time.perf_counter()
     objects = [partial.removesuffix(".so") + f".{part}.o" for part in range(count)]
     part_defines = [[f"-DPART={part}"] for part in range(count)] if count > 1 else [[]]
     compiles = [
@@ -148,7 +153,7 @@ def build(source_name: str, defines: dict[str, int], sources: Path = SOURCES) ->
         for obj in objects:
             Path(obj).unlink(missing_ok=True)
     os.replace(partial, target)
-    log.info("built the CPU kernel %s", target)
+    log.info("built the CPU kernel %s in %.1f s", target, time.perf_counter() - started)
     return target
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -153,6 +154,23 @@ def test_a_source_built_in_parts_links_them_into_one_library(two_parts: Path) ->
     assert not hasattr(library, "doubled")  # hidden: each part's own, not the library's
     cache = two_parts.parent / "cache"
     assert [path.name for path in cache.iterdir()] == [build("two.c", {}, two_parts).name]
+
+
+def test_a_build_says_when_it_starts_compiling_and_a_cached_one_says_nothing(
+    two_parts: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first start compiles for up to half a minute: the log says so before, not only after."""
+    with caplog.at_level("INFO", logger="kernels.cpu_build"):
+        target = build("two.c", {}, two_parts)
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith("compiling the CPU kernel two for this CPU, once")
+    assert str(two_parts.parent / "cache") in said[0]
+    assert re.fullmatch(rf"built the CPU kernel {re.escape(str(target))} in \d+\.\d s", said[1])
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kernels.cpu_build"):
+        assert build("two.c", {}, two_parts) == target
+    assert caplog.records == []
 
 
 def test_a_part_that_fails_to_compile_fails_the_build_and_leaves_nothing(two_parts: Path) -> None:
