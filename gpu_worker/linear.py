@@ -141,7 +141,7 @@ def _probed_once(
     results: dict[torch.dtype, bool], dtype: torch.dtype, probe: Callable[[torch.dtype], bool]
 ) -> bool:
     """`probe(dtype)`, run the first time only; `results` keeps its answer."""
-    with _kernels_lock:
+    with _probe_lock:
         if dtype not in results:
             results[dtype] = probe(dtype)
         return results[dtype]
@@ -165,13 +165,15 @@ def _probe_packed(dtype: torch.dtype) -> bool:
 _pair: list[PairLinear | None] = []  # empty until tried once
 _block: dict[torch.dtype, BlockLinear | None] = {}  # by x's dtype, once tried
 _packed: dict[torch.dtype, bool] = {}  # by dtype, once probed
-_kernels_lock = threading.Lock()
+# A lock each, so that one kernel's build does not hold up another's: the worker builds the pair
+# linear (and the decode stack on it) while the block linear's longer build runs.
+_probe_lock, _pair_lock, _block_lock = threading.Lock(), threading.Lock(), threading.Lock()
 
 
 def pair_kernel() -> PairLinear | None:
     """The pair-layout linear kernel, or None where it cannot run (said once in the log, with
     the engine it runs on where it does)."""
-    with _kernels_lock:
+    with _pair_lock:
         if not _pair:
             try:
                 loaded = load_pair_linear()
@@ -192,7 +194,7 @@ def pair_kernel() -> PairLinear | None:
 def block_kernel(dtype: torch.dtype = torch.float32) -> BlockLinear | None:
     """The block linear kernel for x in `dtype` (float32 or bfloat16; each has a library of its
     own), or None where it cannot run (said once in the log)."""
-    with _kernels_lock:
+    with _block_lock:
         if dtype not in _block:
             try:
                 _block[dtype] = load_block_linear(dtype)

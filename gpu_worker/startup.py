@@ -203,6 +203,13 @@ def make_attention(
     except KernelBuildError as exc:
         log.warning("CPU fused ops unavailable, the model runs its unfused torch forward: %s", exc)
         fused = None
+    # The kernels that do not wait for the block linear (which the load builds meanwhile) first.
+    prefill = None
+    try:
+        prefill = load_prefill_attention(model_config.head_dim, dtype=dtype)
+        log.info("CPU prefill attention multiplies on %s", prefill.engine)
+    except KernelBuildError as exc:
+        log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
 
     def decode_stack(blocks: bool = False, allow_amx: bool = True) -> CpuDecodeStack:
         return load_cpu_decode_stack(
@@ -240,12 +247,6 @@ def make_attention(
                 )
             except KernelBuildError as exc:
                 log.warning("CPU block decode stack unavailable, small decode steps take the pairs: %s", exc)
-    prefill = None
-    try:
-        prefill = load_prefill_attention(model_config.head_dim, dtype=dtype)
-        log.info("CPU prefill attention multiplies on %s", prefill.engine)
-    except KernelBuildError as exc:
-        log.info("CPU prefill attention unavailable, prompts take torch's attention: %s", exc)
     return CpuPagedAttention(
         *shape,
         kernel=kernel,
