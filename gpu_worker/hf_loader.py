@@ -36,7 +36,7 @@ def load_hf_directory(
 def hf_block_weights(path: Path) -> dict[str, BlockWeight]:
     found: dict[str, BlockWeight] = {}
     for file in _safetensors_files(path):
-        for name, tensor in _read_safetensors(file, as_stored=True):
+        for name, tensor in _read_safetensors(file, dtype=None):
             if tensor.dim() == 2 and tensor.dtype in DENSE_TYPES and tensor.shape[1] % 32 == 0:
                 found[name] = BlockWeight.dense(tensor.contiguous())
     return found
@@ -153,20 +153,21 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def _read_safetensors(
-    file: Path, as_stored: bool = False, shape_only: Collection[str] = (), dtype: torch.dtype = torch.float32
+    file: Path, shape_only: Collection[str] = (), dtype: torch.dtype | None = torch.float32
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's tensors, in `dtype` or (`as_stored`) in the file's dtypes; those in `shape_only`
-    unread, as tensors of their shapes on the "meta" device."""
+    """The file's tensors, in `dtype` (None: each in the dtype the file stores it in); those in
+    `shape_only` unread, as `dtype` tensors of their shapes on the "meta" device."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name in shape_only:
+                    assert dtype is not None, "a tensor left unread needs a dtype to stand in"
                     shape = handle.get_slice(name).get_shape()
                     yield name, torch.empty(shape, dtype=dtype, device="meta")
                     continue
                 tensor = handle.get_tensor(name)
-                yield name, tensor if as_stored else tensor.to(dtype)
+                yield name, tensor if dtype is None else tensor.to(dtype)
     except (SafetensorError, OSError) as exc:
         raise ModelLoadError(f"{file}: unreadable safetensors file ({exc})") from exc
