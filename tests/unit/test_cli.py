@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -200,6 +201,17 @@ def test_every_flag_is_a_config_field() -> None:
     worker_fields = {f.name for f in fields(WorkerConfig)}
     assert {f.dest for f in SCHEDULER_FLAGS} <= scheduler_fields
     assert {f.dest for f in WORKER_FLAGS} <= worker_fields
+
+
+def test_the_readme_names_every_flag_of_serve() -> None:
+    """The README's flag tables are where users look first: a flag added without a row fails here."""
+    from scheduler.cli import COMMON_FLAGS, TRACING_FLAGS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    flags = [f.name for group in (COMMON_FLAGS, TRACING_FLAGS, SCHEDULER_FLAGS, WORKER_FLAGS) for f in group]
+    assert len(flags) > 40
+    missing = [name for name in flags if not re.search(rf"{name}(?![\w-])", readme)]
+    assert missing == [], f"README.md does not name {missing}"
 
 
 def test_only_a_worker_started_from_its_own_command_line_restarts_for_huge_pages(
