@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -232,15 +232,24 @@ def dot_rows() -> int:
     return DOT_ROWS_WITH_AMX if cpu_has("amx_bf16") else STREAM_ROWS
 
 
-def open_library(dtype: torch.dtype, sources: Path = SOURCES, split_512: bool | None = None) -> ctypes.CDLL:
+def open_library(
+    dtype: torch.dtype,
+    sources: Path = SOURCES,
+    split_512: bool | None = None,
+    types: Collection[int] | None = None,
+) -> ctypes.CDLL:
     """The library built from `sources` (another revision's kernels/cpu, for a benchmark's A/B)
     for x in `dtype`, its codebooks handed over and its entries typed. `split_512`: build for a CPU
     that runs each 512-bit operation as two 256-bit halves (block_linear.c's SPLIT_512: float32
     streams on 256-bit registers, where the 512-bit path was 0.91-0.94x as fast on Zen 4, and the
     bfloat16 lookup computes each block's values on them); by default, whether this CPU does
-    (`splits_512_bit_operations`)."""
+    (`splits_512_bit_operations`). `types`: build only these block types (TYPE_MASK), which
+    compiles in a fraction of the time; the library then refuses the others. By default, all."""
     split = splits_512_bit_operations() if split_512 is None else split_512
     defines = {"BFLOAT16": int(dtype == torch.bfloat16), "SPLIT_512": int(split)}
+    if types is not None:
+        assert types and all(0 <= t < 64 for t in types), f"types must be ggml type numbers, got {types}"
+        defines["TYPE_MASK"] = sum(1 << t for t in set(types))
     library = load(build("block_linear.c", defines, sources))
     tables = codebook_tables()
     library.duoserve_block_linear_use_codebooks.argtypes = [ctypes.c_void_p] * len(tables)

@@ -50,6 +50,7 @@ from kernels.block_weights import (
     Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -302,13 +303,17 @@ def test_float32_widens_to_the_dequantized_values(kernel: BlockLinear, type_: in
         assert torch.equal(kernel(x[:rows], weight), want[:rows])
 
 
+WIDTH_TYPES = (Q4_0, Q4_1, Q8_0, IQ4_NL, MXFP4)  # what the register-width tests multiply
+
+
 @pytest.fixture(scope="module")
 def widths() -> dict[tuple[torch.dtype, bool], BlockLinear]:
-    """Each element type's kernel built without and with SPLIT_512, by (dtype, split): the two builds
-    this CPU does not take compiled side by side, one a core (each takes 20-40 s)."""
+    """Each element type's kernel built without and with SPLIT_512, by (dtype, split), for the block
+    types the tests below multiply: the builds compiled side by side, one a core (a build of every
+    type took 20-40 s; of these five, a few)."""
     builds = [(dtype, split) for dtype in (torch.float32, torch.bfloat16) for split in (False, True)]
     libraries = side_by_side(
-        functools.partial(open_library, dtype, split_512=split) for dtype, split in builds
+        functools.partial(open_library, dtype, split_512=split, types=WIDTH_TYPES) for dtype, split in builds
     )
     return {build: BlockLinear(library) for build, library in zip(builds, libraries, strict=True)}
 
@@ -365,6 +370,24 @@ def test_bfloat16_lookup_takes_the_same_values_on_either_register_width(
         assert torch.equal(got, want)
         sums.append(kernel(dense, weight))
     assert torch.equal(sums[0], sums[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_build_of_some_types_refuses_the_others(
+    widths: dict[tuple[torch.dtype, bool], BlockLinear], dtype: torch.dtype
+) -> None:
+    """TYPE_MASK leaves a type's code out of the build; a call on it fails as an unknown type does,
+    instead of returning what was in y."""
+    weight = block_weight(Q5_0, 16, 64, seed=5)
+    x = torch.randn(2, 64).to(dtype)
+    assert Q5_0 not in WIDTH_TYPES
+    for split in (False, True):
+        with pytest.raises(RuntimeError, match="block linear failed on a Q5_0 weight"):
+            widths[dtype, split](x, weight)
+        built = block_weight(Q4_0, 16, 64, seed=5)
+        torch.testing.assert_close(
+            widths[dtype, split](x, built).float(), x.float() @ built.dequantize().T, rtol=2e-2, atol=2e-2
+        )
 
 
 @pytest.mark.parametrize("type_", sorted(TYPES))

@@ -81,37 +81,51 @@
 #define SPLIT_512 0
 #endif
 
+/* TYPE_MASK: the block types this build multiplies, bit t for ggml's type t (every type unless
+ * set). A test that needs a build of a few types at another setting (SPLIT_512) compiles only
+ * those: the others' code is never instantiated, and their types are refused like unknown ones. */
+#ifndef TYPE_MASK
+#define TYPE_MASK (~0ull)
+#endif
+#define BUILT(type) ((((unsigned long long)(TYPE_MASK)) >> (type)) & 1ull)
+static inline int built_type(int type) { return known_type(type) && BUILT(type); }
+
 /* Runs CALL(T, B) with T the constant equal to `type` (one of the twenty-five) and B the build's
  * BFLOAT16, so that each type gets its own inlined copy of what CALL calls. BF16 weights need no
  * rounding to bfloat16, so they take B = 0 either way. */
+/* A case of WITH_TYPE: CALL(T, B) where this build multiplies type T (TYPE_MASK), else nothing. */
+#define ONE_TYPE(T, B, CALL)                                                                         \
+    case T:                                                                                          \
+        if (BUILT(T)) CALL(T, B);                                                                    \
+        break
 #define WITH_TYPE(type, CALL)                                                                        \
     do {                                                                                             \
         switch (type) {                                                                              \
-        case TYPE_Q8_0: CALL(TYPE_Q8_0, BFLOAT16); break;                                            \
-        case TYPE_Q4_1: CALL(TYPE_Q4_1, BFLOAT16); break;                                            \
-        case TYPE_Q4_0: CALL(TYPE_Q4_0, BFLOAT16); break;                                            \
-        case TYPE_Q5_1: CALL(TYPE_Q5_1, BFLOAT16); break;                                            \
-        case TYPE_Q5_0: CALL(TYPE_Q5_0, BFLOAT16); break;                                            \
-        case TYPE_IQ4_NL: CALL(TYPE_IQ4_NL, BFLOAT16); break;                                        \
-        case TYPE_Q2_K: CALL(TYPE_Q2_K, BFLOAT16); break;                                            \
-        case TYPE_Q3_K: CALL(TYPE_Q3_K, BFLOAT16); break;                                            \
-        case TYPE_Q4_K: CALL(TYPE_Q4_K, BFLOAT16); break;                                            \
-        case TYPE_Q5_K: CALL(TYPE_Q5_K, BFLOAT16); break;                                            \
-        case TYPE_Q6_K: CALL(TYPE_Q6_K, BFLOAT16); break;                                            \
-        case TYPE_IQ4_XS: CALL(TYPE_IQ4_XS, BFLOAT16); break;                                        \
-        case TYPE_IQ2_XXS: CALL(TYPE_IQ2_XXS, BFLOAT16); break;                                      \
-        case TYPE_IQ2_XS: CALL(TYPE_IQ2_XS, BFLOAT16); break;                                        \
-        case TYPE_IQ2_S: CALL(TYPE_IQ2_S, BFLOAT16); break;                                          \
-        case TYPE_IQ3_XXS: CALL(TYPE_IQ3_XXS, BFLOAT16); break;                                      \
-        case TYPE_IQ3_S: CALL(TYPE_IQ3_S, BFLOAT16); break;                                          \
-        case TYPE_IQ1_S: CALL(TYPE_IQ1_S, BFLOAT16); break;                                          \
-        case TYPE_IQ1_M: CALL(TYPE_IQ1_M, BFLOAT16); break;                                          \
-        case TYPE_TQ1_0: CALL(TYPE_TQ1_0, BFLOAT16); break;                                          \
-        case TYPE_TQ2_0: CALL(TYPE_TQ2_0, BFLOAT16); break;                                          \
-        case TYPE_MXFP4: CALL(TYPE_MXFP4, BFLOAT16); break;                                          \
-        case TYPE_NVFP4: CALL(TYPE_NVFP4, BFLOAT16); break;                                          \
-        case TYPE_F16: CALL(TYPE_F16, BFLOAT16); break;                                              \
-        case TYPE_BF16: CALL(TYPE_BF16, 0); break;                                                   \
+            ONE_TYPE(TYPE_Q8_0, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q4_1, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q4_0, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q5_1, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q5_0, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_IQ4_NL, BFLOAT16, CALL);                                                   \
+            ONE_TYPE(TYPE_Q2_K, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q3_K, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q4_K, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q5_K, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_Q6_K, BFLOAT16, CALL);                                                     \
+            ONE_TYPE(TYPE_IQ4_XS, BFLOAT16, CALL);                                                   \
+            ONE_TYPE(TYPE_IQ2_XXS, BFLOAT16, CALL);                                                  \
+            ONE_TYPE(TYPE_IQ2_XS, BFLOAT16, CALL);                                                   \
+            ONE_TYPE(TYPE_IQ2_S, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_IQ3_XXS, BFLOAT16, CALL);                                                  \
+            ONE_TYPE(TYPE_IQ3_S, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_IQ1_S, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_IQ1_M, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_TQ1_0, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_TQ2_0, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_MXFP4, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_NVFP4, BFLOAT16, CALL);                                                    \
+            ONE_TYPE(TYPE_F16, BFLOAT16, CALL);                                                      \
+            ONE_TYPE(TYPE_BF16, 0, CALL);                                                            \
         default: break;                                                                              \
         }                                                                                            \
     } while (0)
@@ -890,7 +904,7 @@ static int block_linear(
     const float *x, int64_t x_stride, const uint8_t *w, int type, const float *bias, float *y,
     int64_t y_stride, int64_t rows, int64_t n, int64_t k, int threads)
 {
-    if (!known_type(type) || k % weights_per_block(type) != 0) return -1;
+    if (!built_type(type) || k % weights_per_block(type) != 0) return -1;
     const int wide = stream_wide(type) && rows <= WIDE_STREAM_ROWS && rows * k <= WIDE_STREAM_FLOATS;
     if (rows <= STREAM_ROWS || wide) {
         stream_rows(x, x_stride, w, type, bias, y, y_stride, rows, n, k, threads);
@@ -936,7 +950,7 @@ int duoserve_block_linear(
  */
 int duoserve_block_dequantize(const uint8_t *w, int type, float *out, int64_t n, int64_t k, int threads)
 {
-    if (!known_type(type) || k % weights_per_block(type) != 0 || (uintptr_t)out % 32 != 0) return -1;
+    if (!built_type(type) || k % weights_per_block(type) != 0 || (uintptr_t)out % 32 != 0) return -1;
     /* widen_panel writes whole tiles of rows: the rows past the last whole tile go through scratch. */
     const int64_t whole = n / TILE_OUTS * TILE_OUTS;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -977,7 +991,7 @@ int duoserve_block_linear_bf16(
     if (bias != NULL)
         for (int64_t o = 0; o < n; o++) bf[o] = bf16_to_float(bias[o]);
 #if DOT_BF16
-    if (rows <= dot_rows && known_type(type) && k % weights_per_block(type) == 0) { /* x as it is */
+    if (rows <= dot_rows && built_type(type) && k % weights_per_block(type) == 0) { /* x as it is */
         dot_stream_rows(x, x_stride, w, type, bf, yf, n, rows, n, k, threads);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < n; o++) y[r * y_stride + o] = float_to_bf16(yf[r * n + o]);
