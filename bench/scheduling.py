@@ -29,14 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from serving import (
-    RequestResult,
-    ServerConfig,
-    launched_server,
-    percentile,
-    print_worker_split,
-    worker_seconds,
-)
+from servers import ServerConfig, launched_server, print_worker_split, worker_seconds
+from serving import RequestResult, percentile
 from workloads import arrival_times, default_gguf, load_tokenizer, random_prompts
 
 from duoserve_client import AsyncClient, Client, DuoserveError

@@ -29,24 +29,27 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import platform
-import re
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servers import (
+    ServerConfig,
+    launched_server,
+    print_worker_split,
+    triton_compiled_kernels,
+    worker_memory_mb,
+    worker_seconds,
+)
+from transformers_baseline import divergence_gaps, greedy_agreement, load_transformers_model, summarize_gaps
 from workloads import (
     BenchRequest,
     WorkloadSpec,
@@ -66,33 +69,6 @@ UNARY_MODE = "offline-unary"
 
 QUICK = {"num_requests": 8, "input_len": 64, "output_len": 16, "hf_batch": 8}
 FULL = {"num_requests": 64, "input_len": 256, "output_len": 128, "hf_batch": 64}
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """One server configuration: ``label`` as given, e.g. "dtype=bfloat16,max-num-seqs=32"."""
-
-    label: str
-    dtype: str
-    flags: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, text: str) -> ServerConfig:
-        """``key=value[,key=value...]``; keys are ``duoserve serve`` flags without the dashes; a
-        key alone is a switch (``no-sbo``)."""
-        values: dict[str, str | None] = {}
-        for item in filter(None, text.split(",")):
-            key, sep, value = item.partition("=")
-            if not key.strip():
-                raise argparse.ArgumentTypeError(
-                    f"config {text!r}: expected key=value or a switch, got {item!r}"
-                )
-            values[key.strip().removeprefix("--")] = value.strip() if sep else None
-        dtype = values.pop("dtype", None) or "auto"
-        flags = []
-        for key, setting in values.items():
-            flags += [f"--{key}"] if setting is None else [f"--{key}", setting]
-        return cls(label=text, dtype=dtype, flags=tuple(flags))
 
 
 @dataclass(slots=True)
@@ -249,162 +225,6 @@ async def run_duoserve(
     return results
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchedServer:
-    target: str
-    metrics_url: str | None
-    pid: int  # `duoserve serve`, the parent of its scheduler and workers
-
-
-def worker_memory_mb(server_pid: int) -> dict[str, float]:
-    """Resident memory of the server's workers, now and at their peak (VmRSS, VmHWM), in MB."""
-    found: dict[str, float] = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            status = (proc / "status").read_text()
-        except (OSError, ValueError):
-            continue  # not a process, or one that just exited
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent != server_pid or not title.startswith("duoserve: worker"):
-            continue
-        for line in status.splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                name = "rss_mb" if key == "VmRSS" else "peak_rss_mb"
-                found[name] = found.get(name, 0.0) + int(value.split()[0]) / 1024
-    return found
-
-
-@contextlib.contextmanager
-def launched_server(
-    config: ServerConfig, args: argparse.Namespace, log_dir: Path
-) -> Iterator[LaunchedServer]:
-    """Start ``duoserve serve`` with this config, wait for SERVING, yield it, then SIGTERM it."""
-    duoserve = Path(sys.executable).parent / "duoserve"
-    port = free_port()
-    command = [str(duoserve), "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port)]
-    help_text = subprocess.run([str(duoserve), "serve", "--help"], capture_output=True, text=True).stdout
-    metrics_url = None
-    if "--metrics-port" in help_text:
-        metrics_port = free_port()
-        command += ["--metrics-port", str(metrics_port)]
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    command += ["--dtype", config.dtype, *config.flags, *shlex.split(args.server_args)]
-    log_path = log_dir / f"server-{len(list(log_dir.glob('server-*.log')))}.log"
-    print(f"# launching: {shlex.join(command)}  (log: {log_path})", flush=True)
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    target = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + args.startup_timeout
-        with Client(target) as client:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"server exited with {process.returncode}:\n{_log_tail(log_path)}")
-                try:
-                    client.wait_until_ready(min(2.0, max(0.1, deadline - time.monotonic())))
-                    break
-                except DuoserveError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"server not SERVING after {args.startup_timeout:g} s:\n{_log_tail(log_path)}"
-                        ) from None
-        yield LaunchedServer(target, metrics_url, process.pid)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging", "exposed_staging_full", "decode_busy")
-WORKER_STEP_COUNTERS = ("steps", "forecast_steps", "decode_steps")
-
-
-def worker_seconds(metrics_url: str | None) -> dict[str, float]:
-    """The server's duoserve_worker_*_seconds_total counters (empty without a metrics endpoint)."""
-    if metrics_url is None:
-        return {}
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    values = {}
-    for name in WORKER_COUNTERS:
-        match = re.search(rf"^duoserve_worker_{name}_seconds_total (\S+)$", text, re.MULTILINE)
-        if match:
-            values[name] = float(match.group(1))
-    for name in WORKER_STEP_COUNTERS:
-        match = re.search(rf"^duoserve_worker_{name}_total (\S+)$", text, re.MULTILINE)
-        if match:
-            values[name] = float(match.group(1))
-    return values
-
-
-def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """How the worker spent one run: compute, idle waiting for the scheduler, staging (and its exposed part)."""
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    if {"busy", "wait"} <= delta.keys():
-        idle = delta["wait"] / max(delta["wait"] + delta["busy"], 1e-9)
-        exposed = delta.get("exposed_staging", 0.0) / max(delta.get("staging", 0.0), 1e-9)
-        print(
-            f"#   worker: busy {delta['busy']:.2f} s, waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
-            f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}"
-            + (
-                f" ({delta['exposed_staging_full']:.3f} s of it in steps staged in full)"
-                if "exposed_staging_full" in delta
-                else ""
-            )
-            + (
-                f", {delta['forecast_steps']:.0f} of {delta['steps']:.0f} steps forecast"
-                if {"steps", "forecast_steps"} <= delta.keys()
-                else ""
-            ),
-            flush=True,
-        )
-    split = step_kinds(delta)
-    if split:
-        print("#   worker steps: " + split, flush=True)
-    return delta
-
-
-def step_kinds(delta: dict[str, float]) -> str:
-    """The run's decode steps (every sequence one token) and other steps (with prompt tokens): how
-    many, and their mean compute time; empty where the server does not count decode steps."""
-    if not {"busy", "steps", "decode_busy", "decode_steps"} <= delta.keys():
-        return ""
-    kinds = []
-    for name, steps, busy in (
-        ("decode", delta["decode_steps"], delta["decode_busy"]),
-        ("with prompt tokens", delta["steps"] - delta["decode_steps"], delta["busy"] - delta["decode_busy"]),
-    ):
-        mean = f", {1000 * busy / steps:.1f} ms each" if steps > 0 else ""
-        kinds.append(f"{steps:.0f} {name} ({busy:.2f} s{mean})")
-    return ", ".join(kinds)
-
-
-def triton_compiled_kernels() -> int:
-    """Kernel variants in Triton's disk cache on this machine (TRITON_CACHE_DIR, else
-    ~/.triton/cache): one metadata file each, beside the group files Triton also writes there."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    if not root.is_dir():
-        return 0
-    return sum(1 for path in root.glob("*/*.json") if not path.name.startswith("__grp__"))
-
-
 @dataclass(slots=True)
 class RoundPrompts:
     """The prompts of one round, drawn when first asked for: each workload's offline run (run 0),
@@ -484,27 +304,7 @@ def bench_server(
 # -- transformers -------------------------------------------------------------------------------
 
 
-def load_transformers_model(args: argparse.Namespace, dtype: str) -> tuple[Any, str]:
-    """The model in ``dtype`` (a GGUF file's dequantized: transformers would otherwise keep it
-    packed), and its device."""
-    import torch
-    from transformers import AutoModelForCausalLM, GgufConfig
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    if args.hf_threads:
-        torch.set_num_threads(args.hf_threads)
-    device = args.hf_device if args.hf_device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.model.is_dir():
-        model: Any = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=getattr(torch, dtype))
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(args.model.parent),
-            gguf_file=args.model.name,
-            dtype=getattr(torch, dtype),
-            quantization_config=GgufConfig(dequantize=True),
-        )
-    return model.to(device).eval(), device
+# -- reporting ----------------------------------------------------------------------------------
 
 
 def run_transformers(
@@ -567,8 +367,6 @@ def run_transformers(
     )
     return summary, outputs
 
-
-# -- reporting ----------------------------------------------------------------------------------
 
 COLUMNS = (
     ("engine", 12), ("config", 24), ("dtype", 8), ("workload", 8), ("mode", 14), ("ok/n", 7),
@@ -655,67 +453,6 @@ def paired_ratios(summaries: Sequence[RunSummary], baseline: str) -> list[dict[s
             }
         )
     return rows
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (None where one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-
-
-def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, float]:
-    """How often duoserve's greedy outputs equal transformers' (exactly, and by common prefix)."""
-    same, prefix = 0, 0.0
-    for a, b in zip(ours, theirs, strict=True):
-        same += a == b
-        common = first_difference(a, b)
-        prefix += (min(len(a), len(b)) if common is None else common) / max(1, len(b))
-    n = max(1, min(len(ours), len(theirs)))
-    return {"identical": same / n, "mean_common_prefix": prefix / n}
-
-
-def divergence_gaps(
-    model: Any, device: str, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]
-) -> list[dict[str, float]]:
-    """At each output's first token that differs from transformers', how far duoserve's token lay
-    below transformers' own choice in transformers' logits (one forward of the prompt and the
-    tokens both chose), beside the logits' rounding step there. A gap within a few rounding steps
-    is a near-tie that two correct engines can break apart; a wide one is an error."""
-    import torch
-
-    gaps = []
-    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
-        at = first_difference(a, b)
-        if at is None:
-            continue
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + b[:at]], device=device)).logits[0, -1]
-        top = float(logits.max())
-        step = torch.finfo(logits.dtype).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
-        gaps.append(
-            {
-                "index": at,
-                "gap": float(logits[b[at]] - logits[a[at]]),
-                "top_logit": top,
-                "rounding_step": step,
-            }
-        )
-    return gaps
-
-
-def summarize_gaps(gaps: list[dict[str, float]]) -> dict[str, float | int | None]:
-    """The divergences' count, their gaps' median and largest (in logits and in rounding steps),
-    and how many have a negative gap: there transformers' one forward over the agreed prefix
-    ranks duoserve's token above the one its own generate chose."""
-    if not gaps:
-        return {"divergences": 0, "gap_median": None, "gap_max": None, "gap_max_steps": None, "reversed": 0}
-    values = [g["gap"] for g in gaps]
-    return {
-        "divergences": len(gaps),
-        "gap_median": statistics.median(values),
-        "gap_max": max(values),
-        "gap_max_steps": max(g["gap"] / g["rounding_step"] for g in gaps),
-        "reversed": sum(value < 0 for value in values),
-    }
 
 
 # -- command line -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from serving import free_port
+from servers import free_port
 
 from duoserve_client import Client
 from protos import worker_pb2

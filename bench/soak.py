@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from serving import free_port
+from servers import free_port
 
 from duoserve_client import Client, DuoserveError
 

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
-from serving import free_port
+from servers import free_port
 
 from duoserve_client import Client
 

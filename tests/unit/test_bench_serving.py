@@ -10,7 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import servers
 import serving
+import transformers_baseline
 
 
 def _run(config: str, workload: str, round_index: int, tok_s: float) -> serving.RunSummary:
@@ -90,7 +92,7 @@ def test_triton_compiles_are_counted_from_the_cache_one_metadata_file_each(
     # Triton's cache as it lays a compiled kernel out: a folder per hash, holding the metadata
     # file and the binaries, and a group file (named __grp__) in a folder of its own.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    assert serving.triton_compiled_kernels() == 0  # no cache yet
+    assert servers.triton_compiled_kernels() == 0  # no cache yet
     for n, name in enumerate(["_prefill_kernel", "_prefill_kernel", "_decode_reduce_kernel"]):
         folder = tmp_path / "cache" / f"hash{n}"
         folder.mkdir(parents=True)
@@ -99,7 +101,7 @@ def test_triton_compiles_are_counted_from_the_cache_one_metadata_file_each(
         group = tmp_path / "cache" / f"group{n}"
         group.mkdir()
         (group / f"__grp__{name}.json").write_text("{}")
-    assert serving.triton_compiled_kernels() == 3
+    assert servers.triton_compiled_kernels() == 3
 
 
 @pytest.fixture(scope="module")
@@ -142,16 +144,16 @@ def test_the_worker_split_reports_decode_steps_apart_from_steps_with_prompt_toke
 ) -> None:
     before = {"busy": 1.0, "wait": 0.0, "steps": 10.0, "decode_busy": 0.5, "decode_steps": 8.0}
     after = {"busy": 4.0, "wait": 0.1, "steps": 40.0, "decode_busy": 2.5, "decode_steps": 36.0}
-    delta = serving.print_worker_split(before, after)
+    delta = servers.print_worker_split(before, after)
     assert delta["decode_steps"] == 28 and delta["decode_busy"] == pytest.approx(2.0)
     # 28 decode steps in 2.0 s; the other 2 steps took the remaining 1.0 s.
-    assert serving.step_kinds(delta) == (
+    assert servers.step_kinds(delta) == (
         "28 decode (2.00 s, 71.4 ms each), 2 with prompt tokens (1.00 s, 500.0 ms each)"
     )
     assert "#   worker steps: 28 decode" in capsys.readouterr().out
     # A server that does not count decode steps: no line, no division by zero.
-    assert serving.step_kinds({"busy": 1.0, "steps": 3.0}) == ""
-    assert serving.step_kinds({**delta, "decode_steps": 30.0, "decode_busy": 3.0}).endswith(
+    assert servers.step_kinds({"busy": 1.0, "steps": 3.0}) == ""
+    assert servers.step_kinds({**delta, "decode_steps": 30.0, "decode_busy": 3.0}).endswith(
         "0 with prompt tokens (0.00 s)"
     )
 
@@ -195,7 +197,7 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
         list(theirs[1]),
     ]  # the first diverges at its second token
 
-    gaps = serving.divergence_gaps(model, "cpu", prompts, ours, theirs)
+    gaps = transformers_baseline.divergence_gaps(model, "cpu", prompts, ours, theirs)
 
     assert len(gaps) == 1 and gaps[0]["index"] == 1
     assert gaps[0]["gap"] == pytest.approx(float(logits[first] - logits[runner_up]))
@@ -204,13 +206,15 @@ def test_a_divergence_is_measured_by_the_reference_logits_between_the_two_tokens
     assert gaps[0]["top_logit"] == pytest.approx(top)
     eps = torch.finfo(torch.float32).eps
     assert abs(top) * eps / 2 < gaps[0]["rounding_step"] <= abs(top) * eps
-    summary = serving.summarize_gaps(gaps)
+    summary = transformers_baseline.summarize_gaps(gaps)
     assert summary["divergences"] == 1 and summary["gap_max"] == pytest.approx(gaps[0]["gap"])
     assert summary["gap_max_steps"] == pytest.approx(gaps[0]["gap"] / gaps[0]["rounding_step"])
     assert summary["reversed"] == 0
-    swapped = serving.summarize_gaps(serving.divergence_gaps(model, "cpu", prompts, theirs, ours))
+    swapped = transformers_baseline.summarize_gaps(
+        transformers_baseline.divergence_gaps(model, "cpu", prompts, theirs, ours)
+    )
     assert swapped["reversed"] == 1 and swapped["gap_max"] == pytest.approx(-gaps[0]["gap"])
-    assert serving.summarize_gaps([])["divergences"] == 0
+    assert transformers_baseline.summarize_gaps([])["divergences"] == 0
 
 
 def test_transformers_takes_an_end_of_sequence_token_like_any_other_as_ignore_eos_does() -> None:
@@ -230,10 +234,14 @@ def test_transformers_takes_an_end_of_sequence_token_like_any_other_as_ignore_eo
 def test_greedy_agreement_counts_identical_outputs_and_the_common_prefix_of_the_others() -> None:
     ours = [[1, 2, 3, 4], [1, 2, 9, 9], [1, 2]]  # the same; differs at its third token; cut after two
     theirs = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]
-    match = serving.greedy_agreement(ours, theirs)
+    match = transformers_baseline.greedy_agreement(ours, theirs)
     assert match["identical"] == pytest.approx(1 / 3)
     assert match["mean_common_prefix"] == pytest.approx((1 + 0.5 + 0.5) / 3)
-    assert [serving.first_difference(a, b) for a, b in zip(ours, theirs, strict=True)] == [None, 2, None]
+    assert [transformers_baseline.first_difference(a, b) for a, b in zip(ours, theirs, strict=True)] == [
+        None,
+        2,
+        None,
+    ]
 
 
 def test_a_unary_run_counts_its_tokens_at_the_response_and_measures_no_latency_between_them() -> None:
