@@ -183,6 +183,22 @@ def make_attention(
         if name == "cpu":
             raise SystemExit(f"--attention-backend cpu runs on the CPU only, not on {device}")
         return TorchPagedAttention(*shape)
+    return _cpu_attention(name, model_config, dtype, device, block_size, vector_bits, kv_int8)
+
+
+def _cpu_attention(
+    name: str,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    vector_bits: int,
+    kv_int8: bool,
+) -> TorchPagedAttention | CpuPagedAttention:
+    """The CPU backend: the C decode attention, with as many of the fused ops, the prefill attention
+    and the one-call decode stacks as build here; each that does not is logged and left to torch
+    (all of them, with `name` "auto", when the decode attention itself does not build)."""
+    shape = (model_config.num_heads, model_config.num_kv_heads, model_config.head_dim)
     try:
         kernel = load_cpu_decode_attention(
             model_config.head_dim,
