@@ -160,7 +160,7 @@ def _run(config: WorkerConfig) -> int:
         gc.collect()
         gc.freeze()
         log.info("warmed up in %.1f s", time.perf_counter() - warming)
-        ready = _ready(config, model_config, dtype, device, configure, runner, num_blocks)
+        ready = _ready(config, model_config, dtype, configure, runner, num_blocks)
         socket.send(worker_pb2.WorkerMessage(ready=ready).SerializeToString())
         log.info(
             "ready: %d KV blocks of %d tokens (%s), %s attention, SBO %s, %s",
@@ -168,10 +168,10 @@ def _run(config: WorkerConfig) -> int:
             ready.block_size,
             ready.kv_cache_dtype,
             ready.attention_backend,
-            _sbo_description(config, streams),
-            _device_description(runner, streams),
+            _sbo_description(config, runner),
+            _device_description(runner),
         )
-        _serve_steps(socket, context, config, runner, streams)
+        _serve_steps(socket, context, config, runner)
         log.info("shutdown requested by the scheduler")
         return 0
     finally:
@@ -228,16 +228,15 @@ def _load(
     return model, kv_cache, num_blocks
 
 
-def _one_thread(config: WorkerConfig, streams: CudaStreams | None) -> bool:
+def _one_thread(config: WorkerConfig, runner: ModelRunner) -> bool:
     """CUDA SBO runs in one thread unless --sbo-threads; on the CPU it needs its staging thread."""
-    return streams is not None and not config.sbo_threads
+    return runner.streams is not None and not config.sbo_threads
 
 
 def _ready(
     config: WorkerConfig,
     model_config: ModelConfig,
     dtype: torch.dtype,
-    device: torch.device,
     configure: worker_pb2.Configure,
     runner: ModelRunner,
     num_blocks: int,
@@ -251,7 +250,7 @@ def _ready(
         vocab_size=model_config.vocab_size,
         dtype=dtype_name(dtype),
         attention_backend=runner.model.attention_backend,
-        device=str(device),
+        device=str(runner.device),
         block_size=configure.block_size,
         num_blocks=num_blocks,
         kv_cache_dtype="int8" if config.kv_cache_dtype == "int8" else dtype_name(dtype),
@@ -259,23 +258,24 @@ def _ready(
         # appended their tokens: every pipeline waits for that but CUDA SBO on threads, which
         # finishes steps on a thread of its own. On one compute stream a prompt's next chunk
         # also queues behind the chunk in front, whose K/V it reads; on several it would not.
-        lookahead=streams is None or (_one_thread(config, streams) and len(streams.compute) == 1),
+        lookahead=streams is None or (_one_thread(config, runner) and len(streams.compute) == 1),
     )
 
 
-def _sbo_description(config: WorkerConfig, streams: CudaStreams | None) -> str:
+def _sbo_description(config: WorkerConfig, runner: ModelRunner) -> str:
     if not config.sbo:
         return "off"
-    if _one_thread(config, streams):
+    if _one_thread(config, runner):
         return f"on, one thread (depth {config.sbo_depth})"
     return f"on, threads (depth {config.sbo_depth}, switch interval {config.sbo_switch_interval_ms} ms)"
 
 
-def _device_description(runner: ModelRunner, streams: CudaStreams | None) -> str:
+def _device_description(runner: ModelRunner) -> str:
     if runner.device.type != "cuda":
         return "CPU"
     graphs = f"for decode batches up to {runner.graphs[0].sizes[-1]}" if runner.graphs else "off"
-    return f"{len(streams.compute) if streams else 1} compute stream(s), CUDA graphs {graphs}"
+    streams = len(runner.streams.compute) if runner.streams else 1
+    return f"{streams} compute stream(s), CUDA graphs {graphs}"
 
 
 def _serve_steps(
@@ -283,13 +283,12 @@ def _serve_steps(
     context: zmq.Context[zmq.Socket[bytes]],
     config: WorkerConfig,
     runner: ModelRunner,
-    streams: CudaStreams | None,
 ) -> None:
     """Take steps until the scheduler says Shutdown, with heartbeats beside them."""
     heartbeat = Heartbeat(config)
     heartbeat.start()
     # CPU SBO: the compute thread sends its replies on a socket of its own.
-    results = results_socket(context, config) if config.sbo and streams is None else None
+    results = results_socket(context, config) if config.sbo and runner.streams is None else None
     try:
         StepPipeline(
             socket,
@@ -297,7 +296,7 @@ def _serve_steps(
             config.sbo,
             config.sbo_depth,
             config.sbo_switch_interval_ms / 1e3,
-            one_thread=_one_thread(config, streams),
+            one_thread=_one_thread(config, runner),
             results=results,
         ).run()
     finally:
