@@ -87,7 +87,7 @@ def step(
         )
 
 
-def best_ms(fn: Callable[[], None], repeats: int = 10) -> float:
+def best_ms(fn: Callable[[], object], repeats: int = 10) -> float:
     fn()
     times = []
     for _ in range(repeats):

@@ -23,12 +23,12 @@ import argparse
 import ctypes
 import json
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
+from decode_attention_ab import best_ms  # bench/, beside this script
 
 from gpu_worker.linear import pair_kernel
 from kernels import cpu_pair_linear
@@ -92,16 +92,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def run_all(calls: list[Callable[[], object]]) -> None:
     for call in calls:
         call()
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return 1000 * best
 
 
 def main(argv: list[str] | None = None) -> int:
