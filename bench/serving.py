@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -540,6 +540,132 @@ def cpu_description() -> dict[str, Any]:
     }
 
 
+@dataclass(slots=True)
+class Collected:
+    """What the runs gathered: every run's summary, and each served config's ModelInfo and outputs."""
+
+    summaries: list[RunSummary] = field(default_factory=list)
+    infos: dict[str, dict[str, Any]] = field(default_factory=dict)  # config label -> ModelInfo
+    outputs: dict[tuple[str, str], list[list[int]]] = field(default_factory=dict)  # (label, workload)
+
+    def keep(
+        self, label: str, runs: list[RunSummary], info: dict[str, Any], outputs: dict[str, list[list[int]]]
+    ) -> None:
+        """A server's runs and ModelInfo, and its outputs (its first round's) for the comparison with
+        transformers."""
+        self.summaries += runs
+        self.infos[label] = info
+        for name, ids in outputs.items():
+            self.outputs.setdefault((label, name), ids)
+
+
+def serve_each(
+    args: argparse.Namespace,
+    configs: list[ServerConfig],
+    workloads: RoundPrompts,
+    specs: dict[str, WorkloadSpec],
+    log_dir: Path,
+    collected: Collected,
+) -> None:
+    """One round: each config launched in turn (or the --server given) and benchmarked."""
+    for config in configs:
+        with contextlib.ExitStack() as stack:
+            target, metrics_url, pid = args.server, args.metrics_url, None
+            if not args.server:
+                launched = stack.enter_context(launched_server(config, args, log_dir))
+                target, metrics_url, pid = launched.target, launched.metrics_url, launched.pid
+            label = f"server={args.server}" if args.server else config.label
+            runs, info, outputs = bench_server(target, label, args, workloads, specs, metrics_url, pid)
+        collected.keep(label, runs, info, outputs)
+        if args.server:
+            break
+
+
+def serve_in_rounds(
+    args: argparse.Namespace,
+    configs: list[ServerConfig],
+    prompts_of_seed: Callable[[int], RoundPrompts],
+    specs: dict[str, WorkloadSpec],
+    log_dir: Path,
+    collected: Collected,
+) -> list[dict[str, Any]]:
+    """--rounds: every config's server up at once, benchmarked in alternating order (ABBA...), round r
+    on prompts of seed + r; returns and prints each config's throughput against the first's."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(launched_server(config, args, log_dir)) for config in configs]
+        for round_index in range(args.rounds):
+            prompts = prompts_of_seed(args.seed + round_index)
+            order = list(range(len(configs)))
+            for index in order if round_index % 2 == 0 else order[::-1]:
+                server, label = servers[index], configs[index].label
+                print(f"# round {round_index + 1} of {args.rounds}: {label}", flush=True)
+                runs, info, outputs = bench_server(
+                    server.target, label, args, prompts, specs, server.metrics_url, server.pid
+                )
+                for run in runs:
+                    run.extra["round"] = round_index
+                collected.keep(label, runs, info, outputs if round_index == 0 else {})
+    paired = paired_ratios(collected.summaries, configs[0].label)
+    print(f"\n# output tok/s against {configs[0].label}, paired by round")
+    for row in paired:
+        print(
+            f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} mean {row['mean']:.3f}x "
+            f"(min {row['min']:.3f}, max {row['max']:.3f}, sd {row['sd']:.3f}; "
+            f"{row['faster']} of {row['rounds']} rounds faster)",
+            flush=True,
+        )
+    return paired
+
+
+def compare_with_transformers(
+    args: argparse.Namespace,
+    configs: list[ServerConfig],
+    workloads: RoundPrompts,
+    specs: dict[str, WorkloadSpec],
+    pad_id: int,
+    collected: Collected,
+) -> dict[str, dict[str, Any]]:
+    """transformers' generate on the same prompts, once per dtype served, and each config served in
+    that dtype against it: greedy agreement, keyed by dtype/workload (label/workload where several
+    configs share the dtype). Prints the throughput ratios and the agreement."""
+    # Compare at the dtype each server reported it serves (resolves "auto").
+    served = [info["dtype"] for info in collected.infos.values()]
+    if args.transformers_only:
+        served = [c.dtype if c.dtype != "auto" else "float32" for c in configs]
+    agreement: dict[str, dict[str, Any]] = {}
+    for dtype in dict.fromkeys(served):
+        model, device = load_transformers_model(args, dtype)
+        labels = [label for label, info in collected.infos.items() if info["dtype"] == dtype]
+        for name in workloads.names:
+            summary, theirs = run_transformers(
+                model, device, args, dtype, specs[name], workloads.of(name), pad_id
+            )
+            collected.summaries.append(summary)
+            print_rows([summary])
+            for label in labels:
+                ours = collected.outputs.get((label, name))
+                if ours is None:
+                    continue
+                gaps = divergence_gaps(model, device, workloads.of(name), ours, theirs)
+                key = f"{dtype}/{name}" if len(labels) == 1 else f"{label}/{name}"
+                agreement[key] = {**greedy_agreement(ours, theirs), **summarize_gaps(gaps), "gaps": gaps}
+    print("\n# duoserve / transformers output tok/s (offline)")
+    for row in ratios(collected.summaries):
+        value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        print(f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} {value}")
+    for key, match in agreement.items():
+        print(f"  greedy agreement {key}: identical {match['identical']:.0%}, "
+              f"mean common prefix {match['mean_common_prefix']:.0%}")  # fmt: skip
+        if match["divergences"]:
+            print(
+                f"    first divergences ({match['divergences']}): transformers' logit of its own token over "
+                f"duoserve's, median {match['gap_median']:.4f}, largest {match['gap_max']:.4f} "
+                f"({match['gap_max_steps']:.1f} rounding steps of the logits there); in {match['reversed']} "
+                "transformers' one forward itself ranks duoserve's token first"
+            )
+    return agreement
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     parser = build_parser()
@@ -554,11 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [ServerConfig.parse(text) for text in (args.configs or [f"dtype={args.dtype}"])]
     specs = workload_specs(args.num_requests, args.input_len, args.output_len)
     tokenizer = load_tokenizer(args.model)
+    workloads = RoundPrompts(tokenizer, specs, list(args.workloads), args.seed)
 
     def prompts_of_seed(seed: int) -> RoundPrompts:
-        return RoundPrompts(tokenizer, specs, list(args.workloads), seed)
+        return workloads if seed == args.seed else RoundPrompts(tokenizer, specs, list(args.workloads), seed)
 
-    workloads = prompts_of_seed(args.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     launches = not (args.server or args.transformers_only)
     # Made only where servers are launched: a run against --server leaves no empty folder behind.
@@ -566,101 +692,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launches:
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    summaries: list[RunSummary] = []
-    infos: dict[str, Any] = {}
-    duo_outputs: dict[tuple[str, str], list[list[int]]] = {}  # (config label, workload) -> outputs
-
-    def keep(label: str, info: dict[str, Any], served_outputs: dict[str, list[list[int]]]) -> None:
-        """A server's ModelInfo, and its outputs (its first round's) for the comparison with transformers."""
-        infos[label] = info
-        for name, ids in served_outputs.items():
-            duo_outputs.setdefault((label, name), ids)
-
+    collected = Collected()
     print_header()
-    for config in [] if args.transformers_only or args.rounds > 1 else configs:
-        with contextlib.ExitStack() as stack:
-            target, metrics_url, pid = args.server, args.metrics_url, None
-            if not args.server:
-                launched = stack.enter_context(launched_server(config, args, log_dir))
-                target, metrics_url, pid = launched.target, launched.metrics_url, launched.pid
-            label = f"server={args.server}" if args.server else config.label
-            runs, info, served_outputs = bench_server(target, label, args, workloads, specs, metrics_url, pid)
-        summaries += runs
-        keep(label, info, served_outputs)
-        if args.server:
-            break
     paired: list[dict[str, Any]] = []
-    if args.rounds > 1 and not args.transformers_only:
-        with contextlib.ExitStack() as stack:
-            servers = [stack.enter_context(launched_server(config, args, log_dir)) for config in configs]
-            for round_index in range(args.rounds):
-                prompts_of_round = workloads if round_index == 0 else prompts_of_seed(args.seed + round_index)
-                order = list(range(len(configs)))
-                for index in order if round_index % 2 == 0 else order[::-1]:
-                    server = servers[index]
-                    print(f"# round {round_index + 1} of {args.rounds}: {configs[index].label}", flush=True)
-                    runs, info, served_outputs = bench_server(
-                        server.target,
-                        configs[index].label,
-                        args,
-                        prompts_of_round,
-                        specs,
-                        server.metrics_url,
-                        server.pid,
-                    )
-                    for run in runs:
-                        run.extra["round"] = round_index
-                    summaries += runs
-                    keep(configs[index].label, info, served_outputs if round_index == 0 else {})
-        paired = paired_ratios(summaries, configs[0].label)
-        print(f"\n# output tok/s against {configs[0].label}, paired by round")
-        for row in paired:
-            print(
-                f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} mean {row['mean']:.3f}x "
-                f"(min {row['min']:.3f}, max {row['max']:.3f}, sd {row['sd']:.3f}; "
-                f"{row['faster']} of {row['rounds']} rounds faster)",
-                flush=True,
-            )
-
+    if not args.transformers_only:
+        if args.rounds > 1:
+            paired = serve_in_rounds(args, configs, prompts_of_seed, specs, log_dir, collected)
+        else:
+            serve_each(args, configs, workloads, specs, log_dir, collected)
     agreement = {}
     if args.transformers or args.transformers_only:
-        # Compare at the dtype each server reported it serves (resolves "auto").
-        served = [info["dtype"] for info in infos.values()]
-        if args.transformers_only:
-            served = [c.dtype if c.dtype != "auto" else "float32" for c in configs]
-        for dtype in dict.fromkeys(served):
-            model, device = load_transformers_model(args, dtype)
-            for name in workloads.names:
-                summary, outputs = run_transformers(
-                    model, device, args, dtype, specs[name], workloads.of(name), pad_id
-                )
-                summaries.append(summary)
-                print_rows([summary])
-                # Every config served in this dtype, each against transformers (labelled by the dtype
-                # alone where one config has it).
-                labels = [label for label, info in infos.items() if info["dtype"] == dtype]
-                for label in labels:
-                    if (label, name) not in duo_outputs:
-                        continue
-                    ours = duo_outputs[(label, name)]
-                    gaps = divergence_gaps(model, device, workloads.of(name), ours, outputs)
-                    key = f"{dtype}/{name}" if len(labels) == 1 else f"{label}/{name}"
-                    agreement[key] = {**greedy_agreement(ours, outputs), **summarize_gaps(gaps), "gaps": gaps}
-        print("\n# duoserve / transformers output tok/s (offline)")
-        for row in ratios(summaries):
-            value = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-            print(f"  {row['config']:<32} {row['workload']:<8} {row['mode']:<14} {value}")
-        for key, match in agreement.items():
-            print(f"  greedy agreement {key}: identical {match['identical']:.0%}, "
-                  f"mean common prefix {match['mean_common_prefix']:.0%}")  # fmt: skip
-            if match["divergences"]:
-                print(
-                    f"    first divergences ({match['divergences']}): transformers' logit of its own token over "
-                    f"duoserve's, median {match['gap_median']:.4f}, largest {match['gap_max']:.4f} "
-                    f"({match['gap_max_steps']:.1f} rounding steps of the logits there); in {match['reversed']} "
-                    "transformers' one forward itself ranks duoserve's token first"
-                )
-
+        agreement = compare_with_transformers(args, configs, workloads, specs, pad_id, collected)
     if args.json:
         record = {
             "command": command,
@@ -671,15 +713,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "cpus": os.cpu_count(),
                 "cpu": cpu_description(),
             },
-            "models": infos,
-            "runs": [dataclasses.asdict(s) for s in summaries],
-            "ratios": ratios(summaries),
+            "models": collected.infos,
+            "runs": [dataclasses.asdict(s) for s in collected.summaries],
+            "ratios": ratios(collected.summaries),
             "greedy_agreement": agreement,
             "paired_by_round": paired,
         }
         args.json.write_text(json.dumps(record, indent=2))
         print(f"# wrote {args.json}")
-    return 1 if any(s.errors for s in summaries) else 0
+    return 1 if any(s.errors for s in collected.summaries) else 0
 
 
 if __name__ == "__main__":
