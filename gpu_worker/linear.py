@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_block_linear, cpu_pair_linear
+from kernels._launch import dtype_name
 from kernels.block_weights import BF16, Blocks, BlockWeight
 from kernels.cpu_block_linear import BlockLinear, load_block_linear
 from kernels.cpu_build import BF16_DOT, cpu_has
@@ -202,7 +203,7 @@ def block_kernel(dtype: torch.dtype = torch.float32) -> BlockLinear | None:
                     "block linear kernel loaded for %s: float32 steps of up to %d rows take it, "
                     "bfloat16 steps all (%d where the CPU multiplies bfloat16), and every step of a "
                     "linear without a dense copy (--dense-weights)",
-                    str(dtype).removeprefix("torch."),
+                    dtype_name(dtype),
                     BLOCK_MAX_ROWS,
                     SMALL_STEP_ROWS,
                 )

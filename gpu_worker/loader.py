@@ -20,6 +20,7 @@ import torch
 from gpu_worker.gguf_loader import gguf_block_weights, gguf_config, load_gguf
 from gpu_worker.hf_loader import hf_block_weights, hf_config, load_hf_directory
 from gpu_worker.model_config import ModelConfig, ModelLoadError, expected_shapes
+from kernels._launch import dtype_name
 from kernels.block_weights import BlockWeight
 
 
@@ -103,7 +104,7 @@ def _check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...], sourc
         )
     if not tensor.is_meta and tensor.numel() and not _finite(tensor):
         # A finite value past a narrower dtype's range (float16's 65504) reads as infinite there.
-        held = "" if tensor.dtype == torch.float32 else f" as {str(tensor.dtype).removeprefix('torch.')}"
+        held = "" if tensor.dtype == torch.float32 else f" as {dtype_name(tensor.dtype)}"
         raise ModelLoadError(f"{source}: tensor {name!r} contains NaN or infinite values{held}")
 
 

@@ -38,7 +38,7 @@ from gpu_worker.model import LlamaModel, blocks_only_weights
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.runner import ModelRunner
 from gpu_worker.streams import CudaStreams
-from kernels._launch import interpreting
+from kernels._launch import dtype_name, interpreting
 from kernels.block_weights import BlockWeight
 from kernels.cpu_block_linear import BlockLinear
 from kernels.cpu_build import AMX
@@ -71,10 +71,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "float16" and device.type == "cpu":
         raise SystemExit("--dtype float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
     return _DTYPES[name]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}[dtype]
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -32,7 +32,6 @@ from gpu_worker.pipeline import StepPipeline
 from gpu_worker.runner import ModelRunner
 from gpu_worker.startup import (
     capture_decode_graphs,
-    dtype_name,
     load_weights,
     make_attention,
     plan_num_blocks,
@@ -41,6 +40,7 @@ from gpu_worker.startup import (
     warm_up,
 )
 from gpu_worker.streams import CudaStreams
+from kernels._launch import dtype_name
 from protos import worker_pb2
 from scheduler import curve, tracing
 

@@ -35,6 +35,11 @@ def device_ok(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" or (interpreting() and tensor.device.type == "cpu")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's name of a dtype without its module: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 def require(ok: bool, name: str, tensor: torch.Tensor, expected: str) -> None:
     if not ok:
         raise ValueError(
@@ -61,6 +66,21 @@ def require_tensor(
         require(tensor.device.type == "cpu", name, tensor, "a CPU tensor")
     else:
         require(device_ok(tensor), name, tensor, "a CUDA tensor (or a CPU one under TRITON_INTERPRET=1)")
+
+
+def require_contiguous(
+    tensor: torch.Tensor, name: str, shape: Sequence[int | str], dtype: torch.dtype
+) -> None:
+    """`tensor` is contiguous, of `dtype`, and of `shape`: an int is a size it must have, a string
+    (such as "max_blocks") names a size that may be any."""
+    ok = (
+        tensor.dim() == len(shape)
+        and tensor.dtype == dtype
+        and tensor.is_contiguous()
+        and all(isinstance(want, str) or size == want for size, want in zip(tensor.shape, shape, strict=True))
+    )
+    sizes = ", ".join(str(size) for size in shape)
+    require(ok, name, tensor, f"a contiguous {dtype_name(dtype)} [{sizes}] tensor")
 
 
 def require_token_rows(tensor: torch.Tensor, name: str, cpu: bool = False) -> None:

@@ -36,7 +36,7 @@ import gguf
 import numpy as np
 import torch
 
-from kernels._launch import require
+from kernels._launch import dtype_name, require
 from kernels.block_weights import BlockRows, Blocks, BlockWeight
 from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load, splits_512_bit_operations
 
@@ -154,13 +154,13 @@ class BlockLinear:
             x,
             f"a float32 or bfloat16 [rows, {weight.k}] CPU tensor with contiguous rows",
         )
-        dtype_name = str(x.dtype).removeprefix("torch.")
         if bias is not None:
+            name = dtype_name(x.dtype)
             require(
                 bias.shape == (weight.n,) and bias.dtype == x.dtype and bias.is_contiguous(),
                 "bias",
                 bias,
-                f"a contiguous {dtype_name} [{weight.n}] tensor, as x is {dtype_name}",
+                f"a contiguous {name} [{weight.n}] tensor, as x is {name}",
             )
         out = torch.empty(x.shape[0], weight.n, dtype=x.dtype)
         if x.shape[0]:

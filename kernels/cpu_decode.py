@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels._launch import require
+from kernels._launch import require, require_contiguous
 from kernels.cpu_build import KernelBuildError, build, load
 from kernels.kv_int8 import Int8Cache, dequantize, int8_pair
 
@@ -98,21 +98,8 @@ class CpuDecodeAttention:
             ("v_cache", v_cache, cache_dtype),
         ):
             require(tensor.dtype == dtype and tensor.device.type == "cpu", name, tensor, f"{dtype} on cpu")
-        require(
-            block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.is_contiguous(),
-            "block_tables",
-            block_tables,
-            "contiguous int32 [N, max_blocks]",
-        )
-        require(block_tables.shape[0] == num_seqs, "block_tables", block_tables, f"{num_seqs} rows")
-        require(
-            context_lens.dtype == torch.int32
-            and context_lens.shape == (num_seqs,)
-            and context_lens.is_contiguous(),
-            "context_lens",
-            context_lens,
-            f"contiguous int32 [{num_seqs}]",
-        )
+        require_contiguous(block_tables, "block_tables", (num_seqs, "max_blocks"), torch.int32)
+        require_contiguous(context_lens, "context_lens", (num_seqs,), torch.int32)
         if out is None:
             out = torch.empty_like(q)
         require(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out", out, "like q")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels._launch import require
+from kernels._launch import dtype_name, require
 from kernels.cpu_build import SOURCES, KernelBuildError, build, cpu_has, load, load_engine
 
 HEAD_DIMS = {torch.bfloat16: (32, 64), torch.float32: (32, 64, 128)}
@@ -60,7 +60,7 @@ def _rows_of_heads(tensor: torch.Tensor, name: str, heads: int, head_dim: int, d
         and tensor.stride(0) >= heads * head_dim,
         name,
         tensor,
-        f"[T, {heads}, {head_dim}] {str(dtype).removeprefix('torch.')} on the CPU with heads packed in each row",
+        f"[T, {heads}, {head_dim}] {dtype_name(dtype)} on the CPU with heads packed in each row",
     )
 
 
@@ -171,7 +171,7 @@ class CpuPrefillAttention:
                     name,
                     cache,
                     f"contiguous [blocks, block_size, {kv_heads}, {head_dim}] "
-                    f"{str(self.dtype).removeprefix('torch.')} on the CPU",
+                    f"{dtype_name(self.dtype)} on the CPU",
                 )
             require(v_cache.shape == k_cache.shape, "v_cache", v_cache, f"shape {tuple(k_cache.shape)}")
             num_slots = k_cache.shape[0] * k_cache.shape[1]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_pair_linear
-from kernels._launch import require
+from kernels._launch import dtype_name, require, require_contiguous
 from kernels.block_weights import BlockRows, Blocks
 from kernels.cpu_block_linear import block_linear_entry
 from kernels.cpu_build import KernelBuildError, build, cpu_has, load, load_engine
@@ -179,7 +179,6 @@ class BoundStack:
             "down_weight": (hidden, ffn),
             "next_norm": (hidden,),
         }
-        dtype_name = str(self.dtype).removeprefix("torch.")
         for name, shape in expected.items():
             tensor = getattr(layer, name)
             if tensor is None:
@@ -194,7 +193,7 @@ class BoundStack:
                 and (tensor.device.type == "cpu" or shape_only),
                 f"layers[{index}].{name}",
                 tensor,
-                f"a contiguous {dtype_name} CPU tensor of shape {shape}",
+                f"a contiguous {dtype_name(self.dtype)} CPU tensor of shape {shape}",
             )
         if not self.stack.blocks:
             require(
@@ -233,19 +232,16 @@ class BoundStack:
         for name in ("k_cache", "v_cache"):
             cache = getattr(layer, name)
             if self.stack.kv_int8 != isinstance(cache, Int8Cache):
-                kind = "an int8 cache (Int8Cache)" if self.stack.kv_int8 else f"a {dtype_name} tensor"
+                kind = (
+                    "an int8 cache (Int8Cache)"
+                    if self.stack.kv_int8
+                    else f"a {dtype_name(self.dtype)} tensor"
+                )
                 raise ValueError(f"layers[{index}].{name}: this stack's build reads {kind}")
             if isinstance(cache, Int8Cache):
                 cache.check()
-            stored = cache_rows(cache)
-            require(
-                tuple(stored.shape) == cache_shape
-                and stored.dtype == (torch.int8 if self.stack.kv_int8 else self.dtype)
-                and stored.is_contiguous(),
-                f"layers[{index}].{name}",
-                stored,
-                f"a contiguous {'int8' if self.stack.kv_int8 else dtype_name} tensor of shape {cache_shape}",
-            )
+            stored_dtype = torch.int8 if self.stack.kv_int8 else self.dtype
+            require_contiguous(cache_rows(cache), f"layers[{index}].{name}", cache_shape, stored_dtype)
 
     def run(
         self,
@@ -265,53 +261,11 @@ class BoundStack:
         every layer (one C call per layer), unless it carries `pending`, a ctypes.c_int32 that
         another thread sets while it has work: then all layers run in one call that stops only at
         a boundary where `pending` is set, and `between_layers` (which clears it) runs there."""
+        self._check_step(x, residual, cos, sin, slots, block_tables, context_lens)
         rows = x.shape[0]
-        hidden = self.hidden
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        for name, tensor in (("x", x), ("residual", residual)):
-            require(
-                tensor.shape == (rows, hidden) and tensor.dtype == self.dtype and tensor.is_contiguous(),
-                name,
-                tensor,
-                f"a contiguous {dtype_name} [rows, {hidden}] tensor",
-            )
-        require(1 <= rows <= self.max_rows, "x", x, f"1..{self.max_rows} rows")
-        half = self.stack.head_dim // 2
-        for name, table in (("cos", cos), ("sin", sin)):
-            require(
-                table.shape == (rows, half) and table.dtype == torch.float32 and table.is_contiguous(),
-                name,
-                table,
-                f"a contiguous float32 [{rows}, {half}] tensor",
-            )
-        require(
-            slots.shape == (rows,) and slots.dtype == torch.int64 and slots.is_contiguous(),
-            "slots",
-            slots,
-            f"contiguous int64 [{rows}]",
-        )
-        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
-            raise ValueError(f"slots: expected each in [0, {self.num_slots}), got {slots.tolist()}")
-        require(
-            block_tables.dim() == 2
-            and block_tables.shape[0] == rows
-            and block_tables.dtype == torch.int32
-            and block_tables.is_contiguous(),
-            "block_tables",
-            block_tables,
-            f"contiguous int32 [{rows}, max_blocks]",
-        )
-        require(
-            context_lens.shape == (rows,)
-            and context_lens.dtype == torch.int32
-            and context_lens.is_contiguous(),
-            "context_lens",
-            context_lens,
-            f"contiguous int32 [{rows}]",
-        )
         step = _Step(
             rows,
-            hidden,
+            self.hidden,
             self.num_kv_heads,
             self.ffn,
             block_tables.shape[1],
@@ -324,6 +278,40 @@ class BoundStack:
             context_lens.data_ptr(),
             self._scratch_buffer().data_ptr(),
         )
+        return self._through_layers(step, x, residual, between_layers)
+
+    def _check_step(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> None:
+        """`run`'s arguments, their shapes, dtypes and layouts; and every slot inside the cache."""
+        require_contiguous(x, "x", ("rows", self.hidden), self.dtype)
+        rows = x.shape[0]
+        require(1 <= rows <= self.max_rows, "x", x, f"1..{self.max_rows} rows")
+        require_contiguous(residual, "residual", (rows, self.hidden), self.dtype)
+        half = self.stack.head_dim // 2
+        require_contiguous(cos, "cos", (rows, half), torch.float32)
+        require_contiguous(sin, "sin", (rows, half), torch.float32)
+        require_contiguous(slots, "slots", (rows,), torch.int64)
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            raise ValueError(f"slots: expected each in [0, {self.num_slots}), got {slots.tolist()}")
+        require_contiguous(block_tables, "block_tables", (rows, "max_blocks"), torch.int32)
+        require_contiguous(context_lens, "context_lens", (rows,), torch.int32)
+
+    def _through_layers(
+        self,
+        step: _Step,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        between_layers: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """The C calls over the layers: one for all of them, or as `run` says of `between_layers`."""
         threads = torch.get_num_threads()
         function = self.stack.function
         base, step_address = ctypes.addressof(self._layers), ctypes.addressof(step)

@@ -200,7 +200,9 @@ def test_launcher_rejects_bad_shapes_dtypes_and_strides() -> None:
         kernel(q, k_cache.view(-1, 8, 3, 64), v_cache.view(-1, 8, 3, 64), tables, lens)
     with pytest.raises(ValueError, match="num_heads"):
         kernel(q[:, :6].contiguous(), k_cache, v_cache, tables, lens)
-    with pytest.raises(ValueError, match="block_tables: expected contiguous int32"):
+    with pytest.raises(
+        ValueError, match=r"block_tables: expected a contiguous int32 \[2, max_blocks\] tensor"
+    ):
         kernel(q, k_cache, v_cache, tables.long(), lens)
     with pytest.raises(ValueError, match="context_lens"):
         kernel(q, k_cache, v_cache, tables, lens[:1])
