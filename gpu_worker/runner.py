@@ -233,17 +233,10 @@ class ModelRunner:
         upload = DeviceUpload(self.streams, self.streams.for_lane(lane))
         return upload_batch(batch, self.device, upload), upload.ready()
 
-    def _stage_in_full(
-        self, step: worker_pb2.Step
-    ) -> tuple[
-        ForwardBatch | None,
-        list[SeqState],
-        list[tuple[SeqState, int]],
-        LateInputs | None,
-        torch.cuda.Event | None,
-    ]:
-        """The step's batch, its sampled sequences, every sequence with its new tokens, its late
-        inputs, and (CUDA SBO) the event after which its inputs are on the device."""
+    def _scheduled(self, step: worker_pb2.Step) -> list[tuple[SeqState, int]]:
+        """Every sequence the step runs, with its number of new tokens, in the step's order: its new
+        sequences (now known here), then its running ones, their tables extended by the step's new
+        blocks. Sequences the step releases are forgotten first."""
         try:
             running = unpack_running(step.running)
         except ValueError as err:
@@ -281,7 +274,20 @@ class ModelRunner:
                 )
             known.block_table.extend(blocks)
             scheduled.append((known, num_new))
+        return scheduled
 
+    def _stage_in_full(
+        self, step: worker_pb2.Step
+    ) -> tuple[
+        ForwardBatch | None,
+        list[SeqState],
+        list[tuple[SeqState, int]],
+        LateInputs | None,
+        torch.cuda.Event | None,
+    ]:
+        """The step's batch, its sampled sequences, every sequence with its new tokens, its late
+        inputs, and (CUDA SBO) the event after which its inputs are on the device."""
+        scheduled = self._scheduled(step)
         chunks: list[ScheduledChunk] = []
         sampled = []
         late: list[tuple[int, SeqState, int]] = []  # chunk index, sequence, position of its input

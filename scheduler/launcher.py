@@ -145,39 +145,41 @@ def _wait(child: Child, timeout: float, already_told: bool = False) -> None:
     child.process.wait()
 
 
-def serve(args: Namespace) -> int:
-    """Run the whole server until SIGINT/SIGTERM; returns the exit code."""
-    set_process_title("serve")
-    config: SchedulerConfig = scheduler_config(args)
+def _cannot_serve(config: SchedulerConfig) -> int | None:
+    """The exit code, with the reason logged, where this server cannot start: a security file it
+    cannot read (2), or a port already taken (1). A missing model raises, as a usage error."""
     try:
         check_files(config.api_key_file, config.tls_cert, config.tls_key, config.tls_client_ca)
     except SecurityConfigError as err:
         log.error("%s", err)
         return 2
     resolve_model(config.model)  # a missing model is a usage error, before any process starts
-    # A server already on the port would answer the health checks below in this one's place.
+    # A server already on the port would answer the health checks in this one's place.
     for flag, port in (("--port", config.port), ("--metrics-port", config.metrics_port)):
         taken = addresses_in_use(config.host, port)
         if taken:
             log.error("cannot serve on %s:%d (%s): %s in use", config.host, port, flag, ", ".join(taken))
             return 1
-    model = ["--model", config.model, "--log-level", args.log_level]
-    children = []
-    worker_argvs = []
-    for worker_id in range(config.num_workers):
-        worker = worker_config(
-            args, scheduler_address=config.worker_address, worker_id=worker_id, model=config.model
-        )
-        argv = ["worker", *model, *flags_to_argv((*TRACING_FLAGS, *WORKER_FLAGS), worker)]
-        argv += ["--scheduler-address", worker.scheduler_address, "--worker-id", str(worker_id)]
-        worker_argvs.append(argv)
-        children.append(_spawn(f"worker {worker_id}", argv))
-    scheduler_argv = flags_to_argv((*TRACING_FLAGS, *SCHEDULER_FLAGS), config)
-    children.append(_spawn("scheduler", ["scheduler", *model, *scheduler_argv]))
+    return None
 
-    stop = StopSignal()
+
+def _worker_argv(args: Namespace, config: SchedulerConfig, model: list[str], worker_id: int) -> list[str]:
+    """The `duoserve worker` command line of one worker: the serve flags it takes, and where it
+    finds the scheduler."""
+    worker = worker_config(
+        args, scheduler_address=config.worker_address, worker_id=worker_id, model=config.model
+    )
+    argv = ["worker", *model, *flags_to_argv((*TRACING_FLAGS, *WORKER_FLAGS), worker)]
+    return [*argv, "--scheduler-address", worker.scheduler_address, "--worker-id", str(worker_id)]
+
+
+def _supervise(
+    config: SchedulerConfig, children: list[Child], worker_argvs: list[list[str]], stop: StopSignal
+) -> int:
+    """Watch the children (the workers, then the scheduler) until a stop signal or a death that
+    ends the server; announce once it serves; restart a worker that died, as the config allows,
+    in `children`'s place. Returns the exit code."""
     announced = False
-    exit_code = 0
     restarts = 0
     while not stop.received:
         dead = [c for c in children if c.process.poll() is not None]
@@ -187,8 +189,7 @@ def serve(args: Namespace) -> int:
                 "%s cannot start with this model and these settings (its error is above); stopping",
                 dead[0].name,
             )
-            exit_code = 1
-            break
+            return 1
         if worker_died and config.restart_workers and restarts < config.max_worker_restarts:
             # The scheduler notices the loss itself (heartbeats), keeps the requests, and resumes
             # them once this replacement says Ready.
@@ -209,12 +210,27 @@ def serve(args: Namespace) -> int:
             continue
         if dead:
             log.error("%s exited with code %s; stopping", dead[0].name, dead[0].process.returncode)
-            exit_code = 1
-            break
+            return 1
         if not announced and _is_serving(config):
             log.info("duoserve is serving %s on %s", config.model, config.grpc_address)
             announced = True
         stop.wait(POLL_SECONDS if announced else 0.5)
+    return 0
+
+
+def serve(args: Namespace) -> int:
+    """Run the whole server until SIGINT/SIGTERM; returns the exit code."""
+    set_process_title("serve")
+    config: SchedulerConfig = scheduler_config(args)
+    refused = _cannot_serve(config)
+    if refused is not None:
+        return refused
+    model = ["--model", config.model, "--log-level", args.log_level]
+    worker_argvs = [_worker_argv(args, config, model, worker_id) for worker_id in range(config.num_workers)]
+    children = [_spawn(f"worker {worker_id}", argv) for worker_id, argv in enumerate(worker_argvs)]
+    scheduler_argv = flags_to_argv((*TRACING_FLAGS, *SCHEDULER_FLAGS), config)
+    children.append(_spawn("scheduler", ["scheduler", *model, *scheduler_argv]))
+    exit_code = _supervise(config, children, worker_argvs, StopSignal())
     started = time.monotonic()
 
     def exit_at_once(*_: object) -> None:
