@@ -116,6 +116,18 @@ static inline void fetch_some(fetch_cursor *c)
 #define DOT_BF16 0
 #endif
 
+/*
+ * A bfloat16 cache's values: 32 of them (one 64-byte load) become two float32 vectors, the even
+ * elements shifted into the upper halves of their 32-bit lanes and the odd ones masked in place,
+ * where widening 16 at a time takes a load, a cross-lane zero-extension and a shift for each 16.
+ * The output accumulators hold each 32 dimensions in that order (the 16 even, then the 16 odd:
+ * ACC_INDEX), which the softmax's rescaling and the folding of parts, element by element, do not
+ * see; `finish` puts them back in place.
+ */
+#if ELEM_BF16 && !KV_INT8 && HEAD_DIM % 32 == 0
+#define SPLIT_PAIRS 1
+#endif
+
 static inline __m512 load16(const cache_t *p)
 {
 #if KV_INT8
@@ -276,7 +288,15 @@ static void accumulate_values(const cache_t *values, int64_t row, int64_t heads,
             for (int c = 0; c < HEAD_DIM / 16; c++) sums[g][c] = _mm512_load_ps(acc[h * GROUP + g] + 16 * c);
         for (int64_t t = 0; t < valid; t++) {
             __m512 value[HEAD_DIM / 16];
+#ifdef SPLIT_PAIRS
+            for (int c = 0; c < HEAD_DIM / 32; c++) {
+                const __m512i pairs = _mm512_loadu_si512(values + t * row + h * HEAD_DIM + 32 * c);
+                value[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                value[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000)));
+            }
+#else
             for (int c = 0; c < HEAD_DIM / 16; c++) value[c] = load16(values + t * row + h * HEAD_DIM + 16 * c);
+#endif
             for (int g = 0; g < GROUP; g++) {
                 const __m512 weight = _mm512_set1_ps(p[h * GROUP + g][t]);
                 for (int c = 0; c < HEAD_DIM / 16; c++) sums[g][c] = _mm512_fmadd_ps(weight, value[c], sums[g][c]);
@@ -521,11 +541,17 @@ static void merge(int64_t rows, state_t *s, const float *p_acc, const float *p_m
     }
 }
 
+#ifdef SPLIT_PAIRS /* where dimension i is held in an accumulator row */
+#define ACC_INDEX(i) ((i) / 32 * 32 + (i) % 2 * 16 + (i) % 32 / 2)
+#else
+#define ACC_INDEX(i) (i)
+#endif
+
 static void finish(int64_t rows, const state_t *s, elem_t *out)
 {
     for (int64_t g = 0; g < rows; g++) {
         const float inv = 1.0f / s->sum[g];
-        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(s->acc[g][i] * inv);
+        for (int i = 0; i < HEAD_DIM; i++) out[g * HEAD_DIM + i] = store(s->acc[g][ACC_INDEX(i)] * inv);
     }
 }
 
