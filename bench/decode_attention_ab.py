@@ -2,6 +2,7 @@
 
     python bench/decode_attention_ab.py --rev 0606b09
     python bench/decode_attention_ab.py --rev 0606b09 --dtype bfloat16 --json out.json
+    python bench/decode_attention_ab.py --rev 0606b09 --vector-bits 256   # the AVX2 path
 
 Builds kernels/cpu/paged_decode_attention.c as it is here and as it was at `--rev` (its
 kernels/cpu folder, from git), both for SmolLM2's shape (9 query / 3 KV heads of 64, blocks of
@@ -67,6 +68,19 @@ def bind(path: Path, sources: Path) -> Callable[..., None]:
     return with_null_scales
 
 
+def smollm2_defines(dtype: torch.dtype, vector_bits: int = 512) -> dict[str, int]:
+    """The kernel's build for SmolLM2's attention (9 query / 3 KV heads of 64, blocks of 16) on a
+    `dtype` cache, taking vectors of at most `vector_bits` (512, 256 or 0, as the worker's
+    --cpu-vector-bits)."""
+    return {
+        "HEAD_DIM": 64,
+        "GROUP": 3,
+        "BLOCK": 16,
+        "ELEM_BF16": int(dtype == torch.bfloat16),
+        "VECTOR_BITS": vector_bits,
+    }
+
+
 def step(
     function: Callable[..., None], cases: list[dict[str, torch.Tensor]], outs: list[torch.Tensor]
 ) -> None:
@@ -104,15 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rev", required=True, help="the git revision to compare against")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--vector-bits",
+        type=int,
+        default=512,
+        choices=(512, 256, 0),
+        help="the widest intrinsics path both builds may take, as the worker's --cpu-vector-bits",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    defines = {"HEAD_DIM": 64, "GROUP": 3, "BLOCK": 16, "ELEM_BF16": int(dtype == torch.bfloat16)}
+    defines = smollm2_defines(dtype, args.vector_bits)
     ours = bind(build("paged_decode_attention.c", defines), SOURCES)
     with tempfile.TemporaryDirectory() as scratch:
         sources = sources_at(args.rev, Path(scratch))
         theirs = bind(build("paged_decode_attention.c", defines, sources=sources), sources)
-    print(f"# CPU decode attention, {args.dtype}, {LAYERS} layers' caches: {args.rev} against this checkout")
+    print(
+        f"# CPU decode attention, {args.dtype}, at most {args.vector_bits}-bit vectors, {LAYERS} layers' caches: "
+        f"{args.rev} against this checkout"
+    )
     print(f"  {'seqs':>5} {'context':>8} {args.rev + ' ms':>14} {'here ms':>9} {'speed-up':>9}")
     rows = []
     for num_seqs, context in CASES:
@@ -133,7 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {num_seqs:>5} {context:>8} {old:>14.2f} {new:>9.2f} {old / new:>8.2f}x", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rev": args.rev, "dtype": args.dtype, "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"rev": args.rev, "dtype": args.dtype, "vector_bits": args.vector_bits, "rows": rows},
+                indent=2,
+            )
+        )
     return 0
 
 
