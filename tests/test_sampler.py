@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from gpu_worker.sampler import (
+    DRAW_BLOCK,
     Sampler,
     SamplingParams,
     SamplingRow,
     apply_penalties,
     filtered_probs,
+    filtered_weights,
+    row_seed,
 )
 
 
@@ -235,3 +238,50 @@ def test_penalised_and_filtered_sampling_on_cuda_does_not_wait_for_the_device() 
     assert still_busy, "choose() waited for the matrix multiplies queued before it"
     assert chosen.device.type == "cuda"
     assert chosen.cpu().tolist() == expected.tolist()
+
+
+def _inverse_cdf_reference(scores: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Each seeded row's draw as the module docstring defines it: the first token whose running
+    total of filtered weights (over the whole vocabulary, in token-id order) passes its uniform
+    times the total, the uniform from the row's own seeded generator."""
+    tokens = []
+    for i, row in enumerate(rows):
+        p = row.params
+        assert p.seed is not None
+        gen = torch.Generator().manual_seed(row_seed(p.seed, len(row.output_token_ids)))
+        uniform = torch.rand((), generator=gen)
+        weights = filtered_weights(scores[i : i + 1] / p.temperature, [p])[0]
+        running = weights.cumsum(dim=0)
+        tokens.append(int(torch.searchsorted(running, uniform * running[-1], right=True)))
+    return tokens
+
+
+@pytest.mark.parametrize("vocab", [DRAW_BLOCK * 3 + 37, 700])  # whole blocks and a partial one; one block
+def test_a_draw_is_the_inverse_of_the_filtered_cumulative_distribution(vocab: int) -> None:
+    """Draws sum only what they need: whole-vocabulary rows the block their target falls in, ranked
+    rows their candidates (as wide as top_p needs, row by row). The token is still the one the
+    whole vocabulary's running total gives, row by row, whatever else is in the batch."""
+    gen = torch.Generator().manual_seed(11)
+    spreads = [4.0, 1.5, 0.3, 0.05] * 3  # peaked to flat: nuclei of a few tokens to most of them
+    scores = torch.cat([torch.randn(1, vocab, generator=gen) * s for s in spreads])
+    scores[5, 0] = scores[5].max() + 1.0  # token 0 among a row's candidates, as padding's ids are
+    params = [
+        SamplingParams(temperature=t, top_p=0.9, seed=n) if n < 4 else SamplingParams(temperature=t, seed=n)
+        for n, t in enumerate([1.0, 0.7, 1.3, 1.0])
+    ]
+    params += [
+        SamplingParams(temperature=1.0, min_p=0.3, seed=4),
+        SamplingParams(temperature=0.9, top_k=7, seed=5),
+        SamplingParams(temperature=1.0, top_k=40, top_p=0.5, seed=6),
+        SamplingParams(temperature=2.0, top_p=0.99, min_p=0.01, seed=7),
+    ]
+    params += [SamplingParams(temperature=1.0, seed=8 + n) for n in range(4)]
+    for step in range(20):
+        rows = [SamplingRow(p, [1, 2], list(range(step))) for p in params]
+        expected = _inverse_cdf_reference(scores, rows)
+        assert Sampler().sample(scores, rows).token_ids == expected
+        # Peaked ranked rows alone: a few candidates each, put in token-id order (above, a flat
+        # top-p row's candidates span most of the vocabulary, summed in place).
+        narrow = [0, 5, 6]
+        alone = Sampler().sample(scores[narrow], [rows[i] for i in narrow]).token_ids
+        assert alone == [expected[i] for i in narrow]
