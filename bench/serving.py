@@ -5,9 +5,11 @@
     python bench/serving.py --server localhost:50051 --rate 4  # a running server, Poisson 4 req/s
     python bench/serving.py --rounds 6 --workloads random --configs dtype=bfloat16 dtype=bfloat16,no-sbo
     python bench/serving.py --unary --transformers   # offline also through unary Generate calls
+    python bench/serving.py --sampling temperature=0.8,top_p=0.95   # every request sampled
 
 Each server configuration is launched in turn (``duoserve serve`` from this venv), run
-against the same seeded prompts (sent as token ids, greedy, ignore_eos), and stopped;
+against the same seeded prompts (sent as token ids, greedy or with ``--sampling``'s settings,
+ignore_eos), and stopped;
 each workload, each arrival rate and the warm-up draw prompts of their own, so that no run
 finds its prompts in the prefix cache an earlier one filled;
 transformers then runs the same token ids in static left-padded batches. With ``--rounds N``
@@ -173,19 +175,45 @@ def summarize(
 # -- duoserve -----------------------------------------------------------------------------------
 
 
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+
+
+def parse_sampling(text: str) -> dict[str, float]:
+    """--sampling's "temperature=0.8,top_p=0.95": the settings every request carries (greedy when
+    empty)."""
+    settings: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        kind = SAMPLING_KEYS.get(key.strip())
+        if kind is None or not value:
+            raise ValueError(f"--sampling: {item!r}; use K=V with K one of {', '.join(SAMPLING_KEYS)}")
+        try:
+            settings[key.strip()] = kind(value)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise ValueError(f"--sampling: {key.strip()}={value!r} is not {expected}") from None
+    return settings
+
+
 async def _one_request(
-    client: AsyncClient, request: BenchRequest, start: float, result: RequestResult, stream: bool
+    client: AsyncClient,
+    request: BenchRequest,
+    start: float,
+    result: RequestResult,
+    stream: bool,
+    sampling: dict[str, float],
 ) -> None:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     result.sent = time.perf_counter()
     result.streamed = stream
+    settings: dict[str, Any] = {"temperature": 0.0, **sampling}
     try:
         if not stream:
             completion = await client.generate(
                 prompt_token_ids=request.prompt_token_ids,
                 max_tokens=request.output_len,
-                temperature=0.0,
                 ignore_eos=True,
+                **settings,
             )
             result.last_token = time.perf_counter()
             result.token_ids = list(completion.token_ids)
@@ -194,8 +222,8 @@ async def _one_request(
         chunks = client.stream(
             prompt_token_ids=request.prompt_token_ids,
             max_tokens=request.output_len,
-            temperature=0.0,
             ignore_eos=True,
+            **settings,
         )
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -212,15 +240,22 @@ async def _one_request(
 
 
 async def run_duoserve(
-    target: str, requests: list[BenchRequest], timeout: float, stream: bool = True
+    target: str,
+    requests: list[BenchRequest],
+    timeout: float,
+    stream: bool = True,
+    sampling: dict[str, float] | None = None,
 ) -> list[RequestResult]:
     """Send every request at its arrival time over one channel, streamed (a message a token) or
-    unary (one response a request); timings per request."""
+    unary (one response a request), greedy or with the `sampling` settings; timings per request."""
     results = [RequestResult(r.index, len(r.prompt_token_ids)) for r in requests]
     async with AsyncClient(target, retries=0, timeout=timeout) as client:
         start = time.perf_counter()
         await asyncio.gather(
-            *(_one_request(client, r, start, res, stream) for r, res in zip(requests, results, strict=True))
+            *(
+                _one_request(client, r, start, res, stream, sampling or {})
+                for r, res in zip(requests, results, strict=True)
+            )
         )
     return results
 
@@ -278,7 +313,7 @@ def bench_server(
             requests = build_requests(prompts.of(name, run), specs[name].output_len, rate, args.seed)
             before = worker_seconds(metrics_url)
             compiled = triton_compiled_kernels()
-            results = asyncio.run(run_duoserve(target, requests, args.request_timeout, stream))
+            results = asyncio.run(run_duoserve(target, requests, args.request_timeout, stream, args.sampling))
             summaries.append(summarize("duoserve", label, info["dtype"], specs[name], mode, results))
             print_rows(summaries[-1:])
             if summaries[-1].cached_prompt_tokens:
@@ -489,6 +524,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--sampling",
+        default="",
+        metavar="K=V[,K=V]",
+        help=f"sampling settings every request carries, of {', '.join(SAMPLING_KEYS)} (default: greedy), "
+        "e.g. temperature=0.8,top_p=0.95; not with --transformers, whose comparison is of greedy outputs",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -674,6 +716,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.rounds > 1 and args.server:
         parser.error("--rounds launches its servers side by side; it does not take --server")
+    try:
+        args.sampling = parse_sampling(args.sampling)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.sampling and (args.transformers or args.transformers_only):
+        parser.error("--sampling: the comparison with transformers is of greedy outputs; drop one of them")
     resolve_sizes(args)
     command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/serving.py", *argv])])
     print(f"# command: {command}", flush=True)

@@ -271,3 +271,31 @@ def test_the_transformers_ratio_is_taken_for_the_streamed_and_the_unary_offline_
         ("offline", pytest.approx(3.0)),
         (serving.UNARY_MODE, pytest.approx(3.3)),
     ]
+
+
+def test_sampling_settings_are_parsed_by_name_and_type() -> None:
+    assert serving.parse_sampling("") == {}
+    assert serving.parse_sampling("temperature=0.8,top_p=0.95,top_k=50") == {
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 50,
+    }
+    with pytest.raises(ValueError, match="--sampling: 'seed=3'; use K=V with K one of temperature"):
+        serving.parse_sampling("seed=3")
+    with pytest.raises(ValueError, match=r"--sampling: top_k='0.5' is not an integer"):
+        serving.parse_sampling("top_k=0.5")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sampling", "temperature=0.8", "--transformers"], "comparison with transformers is of greedy"),
+        (["--sampling", "temp=0.8"], "--sampling: 'temp=0.8'"),
+    ],
+)
+def test_bad_sampling_is_refused_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        serving.main(argv)
+    assert message in capsys.readouterr().err
