@@ -10,12 +10,15 @@ generated), so its token depends on nothing else in the batch and repeats exactl
 recomputed. (One uniform per row instead of an exponential race's one per vocabulary entry:
 drawing 3M exponentials costs more than the forward pass on a CPU.)
 
-A row with top-k or top-p draws among its ranked candidates alone, put in token-id order: the
-same partial sums, bit for bit, as the whole vocabulary's with the filtered tokens at zero (a
-cumulative sum adds in order, and zeros change nothing). Any other row finds the block of
-DRAW_BLOCK tokens its target falls in from the blocks' sums, then the token within that block:
-on a 2-core CPU, summing 64 rows of 49152 in order added 2.0 ms to a draw's 3.9 (the temperature
-and the weights), the blocks 0.8.
+A row with top-k (or, off the CPU, top-p) draws among its ranked candidates alone, put in
+token-id order: the same partial sums, bit for bit, as the whole vocabulary's with the filtered
+tokens at zero (a cumulative sum adds in order, and zeros change nothing). On the CPU a top-p row
+without top-k takes its nucleus from the C kernel (CpuFusedOps.nucleus), which finds it without
+ranking the row: after a flat distribution a nucleus spans thousands of tokens, and ranking them
+cost more than the step's forward. Any row not ranked finds the block of DRAW_BLOCK tokens its
+target falls in from the blocks' sums, then the token within that block: on a 2-core CPU, summing
+64 rows of 49152 in order added 2.0 ms to a draw's 3.9 (the temperature and the weights), the
+blocks 0.8.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from kernels.cpu_build import KernelBuildError
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 
 _MASK64 = (1 << 64) - 1
-# How many ranked tokens a top-p row without top-k takes: the first width, then for the rows whose
-# candidates hold less than top_p of the mass the next, and so on, then the whole vocabulary.
+# How many ranked tokens a top-p row without top-k takes where the CPU's nucleus kernel is not to
+# be had (on a GPU, or without a C compiler): the first width, then for the rows whose candidates
+# hold less than top_p of the mass the next, and so on, then the whole vocabulary.
 # SmolLM2's next-token logits for 64 chat prompts (bench/sampler.py, 384 rows) held their nucleus
 # within 64 tokens in 99% of rows at temperature 0.7 and top-p 0.9, in 93% at 0.8 and 0.95, in 65%
 # at 1.0 and 0.95 (within 512 in 96%); at 1.3 and 0.99 within 4096 in 69%. On a 2-core CPU,
@@ -137,7 +141,7 @@ class Sampler:
         temps = to_device([p.temperature for p in params], scores.device)
         scaled = scores / temps[:, None]  # [R, V] float32
         uniforms = self._uniforms(rows, scores.device)  # [R] in [0, 1)
-        ranked = [i for i, p in enumerate(params) if _ranks(p)]
+        ranked = _ranked_rows(scaled, params)
         if not ranked:
             return _draw_whole(scaled, params, uniforms)
         if len(ranked) == len(params):
@@ -261,21 +265,48 @@ def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> 
     """exp(score - row max) after top-k, top-p and min-p filtering; 0 where filtered, 1 for the best
     token: the weights a draw inverts (`scores` at temperature). Draws take them from the same
     helpers without writing them out whole."""
+    ranked = _ranked_rows(scores, params)
+    if not ranked:
+        return _whole_weights(scores, params)
+    weights = torch.empty_like(scores)
+    ranked_set = set(ranked)
+    whole = [i for i in range(len(params)) if i not in ranked_set]
+    if whole:
+        index = to_device(whole, scores.device)
+        weights.index_copy_(0, index, _whole_weights(_rows(scores, whole), [params[i] for i in whole]))
+    index = to_device(ranked, scores.device)
+    ranked_params = [params[i] for i in ranked]
+    kept, ids = _candidates(_rows(scores, ranked), ranked_params)
+    # scatter_add_: the ids past a row's own candidates are 0s of weight 0, beside a real token 0.
+    dense = torch.zeros(len(ranked), scores.shape[1], device=scores.device).scatter_add_(1, ids, kept)
+    weights.index_copy_(0, index, _min_p(dense, ranked_params))
+    return weights
+
+
+def _ranked_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> list[int]:  # [R, V]
+    """The rows that draw among their ranked best tokens: those with a top-k below the vocabulary,
+    and those with top-p where the CPU's nucleus kernel (CpuFusedOps.nucleus) is not to be had."""
+    vocab = scores.shape[1]
+    cuts = scores.device.type == "cpu" and _cpu_bfloat16_ops() is not None
+    return [i for i, p in enumerate(params) if 0 < p.top_k < vocab or (p.top_p < 1.0 and not cuts)]
+
+
+def _whole_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [R, V]
+    """exp(score - row max) for rows that are not ranked (`scores` at temperature; rows with top-p
+    only on the CPU, whose weights the nucleus kernel writes): 0 past each top-p row's nucleus and
+    below min-p."""
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if not nucleus:
+        return _min_p(_relative_exp(scores), params)
+    ops = _cpu_bfloat16_ops()
+    assert ops is not None and scores.device.type == "cpu", "top-p rows without the nucleus kernel are ranked"
+    top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float32)
+    _, kept = ops.nucleus(_rows(scores, nucleus).contiguous(), top_p)
+    if len(nucleus) == len(params):
+        return _min_p(kept, params)
     weights = _relative_exp(scores)
-    ranked = [i for i, p in enumerate(params) if _ranks(p)]
-    if ranked:
-        index = to_device(ranked, scores.device)
-        ranked_params = [params[i] for i in ranked]
-        kept, ids = _candidates(scores.index_select(0, index), ranked_params)
-        # scatter_add_: the ids past a row's own candidates are 0s of weight 0, beside a real token 0.
-        dense = torch.zeros(len(ranked), scores.shape[1], device=scores.device).scatter_add_(1, ids, kept)
-        weights.index_copy_(0, index, dense)
+    weights.index_copy_(0, to_device(nucleus, scores.device), kept)
     return _min_p(weights, params)
-
-
-def _ranks(params: SamplingParams) -> bool:
-    """Whether the row keeps only some of its best tokens (top-k or top-p)."""
-    return params.top_k > 0 or params.top_p < 1.0
 
 
 def _relative_exp(scores: torch.Tensor) -> torch.Tensor:  # [R, V]
@@ -294,9 +325,9 @@ def _min_p(weights: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
 def _draw_whole(
     scores: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """Rows without top-k or top-p ([R, V] at temperature): the block whose running total first
-    passes the row's target (its uniform times the total weight), then the token in that block."""
-    weights = _min_p(_relative_exp(scores), params)  # [R, V]
+    """Rows that are not ranked ([R, V] at temperature): the block whose running total first passes
+    the row's target (its uniform times the total weight), then the token in that block."""
+    weights = _whole_weights(scores, params)  # [R, V]
     rows, vocab = weights.shape
     blocks = -(-vocab // DRAW_BLOCK)
     whole = vocab // DRAW_BLOCK * DRAW_BLOCK
@@ -317,8 +348,8 @@ def _draw_whole(
 def _draw_ranked(
     scores: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """Rows with top-k or top-p ([R, V] at temperature): a draw over the kept candidates in
-    token-id order, the first whose running total passes the row's target."""
+    """Ranked rows ([R, V] at temperature): a draw over the kept candidates in token-id order, the
+    first whose running total passes the row's target."""
     kept, ids = _candidates(scores, params)  # [R, K] each, best first
     kept = _min_p(kept, params)
     rows, vocab = scores.shape

@@ -3,7 +3,8 @@
 `CpuFusedOps` offers what the Triton path offers on CUDA (kernels/fused_ops.py), with the same
 signatures and the same rounding, so the model's fused forward runs on either: residual add +
 RMSNorm, rotary embedding in place, SiLU-and-multiply, and the paged KV write; and, for greedy
-sampling, each row's argmax read in the element type (no float32 copy of the logits first). On the CPU each
+sampling, each row's argmax read in the element type (no float32 copy of the logits first), and
+for top-p sampling each row's nucleus found without sorting the row. On the CPU each
 torch op costs a dispatch and a pass over memory; a decoder layer's norms, rotary, activation
 and KV write were ~40 of them. Built per element type (float32, bfloat16) on first use
 (kernels/cpu_build.py).
@@ -35,7 +36,10 @@ _SIGNATURES = {
     "duoserve_write_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _INT],
     "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
+    "duoserve_nucleus": [_P, _I, _I, _P, _P, _P, _INT],
 }
+
+_RETURNS_STATUS = {"duoserve_nucleus"}  # 0, or 1 where its scratch could not be allocated
 
 
 def _require_tensor(
@@ -57,7 +61,7 @@ class CpuFusedOps:
         self.dtype = dtype
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
-            function.restype = None
+            function.restype = ctypes.c_int if name in _RETURNS_STATUS else None
             function.argtypes = argtypes
         self._lib = library
         # cos/sin of the last positions rotated, per thread: every layer of a step rotates by the same.
@@ -131,6 +135,31 @@ class CpuFusedOps:
             x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+    def nucleus(self, scores: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-p nucleus, found without sorting the row: its cut ([R] float32, the score
+        of the last token it keeps: the smallest set of the row's best tokens holding top_p of its
+        softmax's mass, a token kept when the better ones hold less than top_p, ties with the last
+        kept one kept too), and the weights exp(score - row max) of the tokens it keeps, 0 for the
+        others ([R, V] float32). `scores`: float32 rows at temperature; `top_p`: [R] float32."""
+        _require_tensor(scores, "scores", dims=2, dtypes=(torch.float32,))  # in either element type's build
+        require(scores.shape[1] > 0, "scores", scores, "rows of at least one column")
+        _require_tensor(top_p, "top_p", dims=1, dtypes=(torch.float32,))
+        require(top_p.shape[0] == scores.shape[0], "top_p", top_p, f"{scores.shape[0]} entries")
+        cut = torch.empty(scores.shape[0], dtype=torch.float32)
+        weights = torch.empty_like(scores)
+        failed = self._lib.duoserve_nucleus(
+            scores.data_ptr(),
+            scores.shape[0],
+            scores.shape[1],
+            top_p.data_ptr(),
+            cut.data_ptr(),
+            weights.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if failed:
+            raise MemoryError("nucleus: its scratch memory could not be allocated")
+        return cut, weights
 
     def rotary_embedding(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor

@@ -150,6 +150,42 @@ def test_argmax_picks_what_torch_max_picks(dtype: torch.dtype, rows: int, cols: 
         assert torch.equal(ops_for(dtype).argmax(x), x.float().max(dim=-1).indices)
 
 
+def _nucleus_reference(row: torch.Tensor, top_p: float) -> float:
+    """The score of the last token top-p keeps: best first, while the better ones hold < top_p."""
+    probs = torch.softmax(row.double(), dim=0)
+    mass, cut = 0.0, float("inf")
+    for token in row.argsort(descending=True).tolist():
+        if mass >= top_p:
+            break
+        cut, mass = float(row[token]), mass + float(probs[token])
+    return cut
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nucleus_keeps_the_best_tokens_until_they_hold_top_p(dtype: torch.dtype) -> None:
+    """Rows from peaked to flat, top_p from 0.1 to 0.999, in either build (the scores are float32)."""
+    gen = torch.Generator().manual_seed(2)
+    top_p = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 0.999])
+    for spread in (0.05, 0.5, 3.0, 10.0):
+        scores = torch.randn(len(top_p), 5000, generator=gen) * spread
+        cuts, weights = ops_for(dtype).nucleus(scores, top_p)
+        assert cuts.tolist() == [
+            _nucleus_reference(row, float(p)) for row, p in zip(scores, top_p, strict=True)
+        ]
+        relative = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+        expected = torch.where(scores >= cuts[:, None], relative, 0.0)
+        torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)  # zeros exactly where cut
+
+
+def test_a_nucleus_keeps_every_token_tied_with_its_last() -> None:
+    # probabilities about 0.47, then three tied at 0.17, then the tail: top-p 0.6 ends in the ties.
+    scores = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.5, -1.0]])
+    cut, weights = ops_for(torch.float32).nucleus(scores, torch.tensor([0.6]))
+    assert cut.tolist() == [2.0]  # all three tied tokens have score >= the cut
+    assert (weights[0] > 0).tolist() == [True, True, True, True, False, False]
+    assert ops_for(torch.float32).nucleus(scores, torch.tensor([0.3]))[0].tolist() == [3.0]
+
+
 def test_launchers_reject_what_the_kernels_cannot_take() -> None:
     ops = ops_for(torch.bfloat16)
     with pytest.raises(ValueError, match="x"):
@@ -169,6 +205,10 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         ops.argmax(torch.zeros(4, 6, dtype=torch.bfloat16).t())  # columns apart, not contiguous rows
     with pytest.raises(ValueError, match="x"):
         ops.argmax(torch.zeros(4, 0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^scores: "):
+        ops.nucleus(torch.zeros(2, 6, dtype=torch.bfloat16), torch.ones(2))  # logits, not float32 scores
+    with pytest.raises(ValueError, match=r"^top_p: "):
+        ops.nucleus(torch.zeros(2, 6), torch.ones(3))
     q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rotary_embedding(q, q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3))

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from gpu_worker import sampler
 from gpu_worker.sampler import (
     DRAW_BLOCK,
     Sampler,
@@ -91,7 +92,7 @@ def test_penalised_greedy_avoids_repeated_token() -> None:
     assert Sampler().sample(logits, [row]).token_ids == [1]  # 5 / 2 = 2.5 < 4
 
 
-def test_top_p_and_min_p_never_pick_filtered_tokens() -> None:
+def test_top_p_and_min_p_never_pick_filtered_tokens(top_p_path: str) -> None:
     # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 (plus a far tail)
     probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625 - 1e-6, 1e-6])
     logits = probs.log()[None, :].repeat(3, 1)
@@ -183,8 +184,19 @@ def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
     return {token for token, prob in kept if prob >= p.min_p * best}
 
 
+@pytest.fixture(params=["nucleus cut", "ranked"])
+def top_p_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Top-p rows on the CPU take the C nucleus cut; without the CPU kernels (or on a GPU) they rank
+    their best tokens as wide as their mass needs. Tests that take this fixture run both ways."""
+    if request.param == "ranked":
+        monkeypatch.setattr(sampler, "_cpu_bfloat16_ops", lambda: None)
+    else:
+        assert sampler._cpu_bfloat16_ops() is not None, "the CPU fused ops did not build here"
+    return str(request.param)
+
+
 @pytest.mark.parametrize("spread", [0.5, 4.0])  # flat rows need the full sort, peaked ones do not
-def test_filtering_matches_full_sort_reference(spread: float) -> None:
+def test_filtering_matches_full_sort_reference(spread: float, top_p_path: str) -> None:
     vocab = 3000  # more than the top-p first guess of candidates
     scores = torch.randn(6, vocab, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * spread
     scores = scores.float()
@@ -257,7 +269,7 @@ def _inverse_cdf_reference(scores: torch.Tensor, rows: list[SamplingRow]) -> lis
 
 
 @pytest.mark.parametrize("vocab", [DRAW_BLOCK * 3 + 37, 700])  # whole blocks and a partial one; one block
-def test_a_draw_is_the_inverse_of_the_filtered_cumulative_distribution(vocab: int) -> None:
+def test_a_draw_is_the_inverse_of_the_filtered_cumulative_distribution(vocab: int, top_p_path: str) -> None:
     """Draws sum only what they need: whole-vocabulary rows the block their target falls in, ranked
     rows their candidates (as wide as top_p needs, row by row). The token is still the one the
     whole vocabulary's running total gives, row by row, whatever else is in the batch."""

@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "elements.h"
@@ -313,4 +314,97 @@ void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *
 {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * cols, cols);
+}
+
+/*
+ * Top-p without sorting a row: cut[r] = the score of the last token row r's nucleus keeps, the
+ * smallest set of its best tokens that holds top_p[r] of its mass (a token is kept when the
+ * tokens strictly better than it hold less than top_p; every token tied with the last kept one
+ * is kept too), and weights[r] = exp(score - best) for the tokens it keeps, 0 for the others.
+ * Scores are float32 at temperature, rows `cols` long.
+ *
+ * A row's weights exp(score - best) are bucketed by their float32 bits' top 16 (sign, exponent
+ * and 7 bits of mantissa: buckets under 1% wide, in the weights' order), each bucket's mass
+ * summed; the buckets from the top hold the nucleus up to one of them, whose tokens alone are
+ * sorted. Flat rows, whose nucleus spans thousands of tokens, otherwise rank most of the
+ * vocabulary. Each thread allocates its scratch: the buckets' masses, and room for one bucket's
+ * tokens.
+ */
+#define WEIGHT_BUCKETS (0x3f80 + 1) /* the top 16 bits of floats in [0, 1] */
+
+typedef struct {
+    float score, weight;
+} scored_t;
+
+static int by_score_descending(const void *a, const void *b)
+{
+    const float x = ((const scored_t *)a)->score, y = ((const scored_t *)b)->score;
+    return (x < y) - (x > y);
+}
+
+static inline uint32_t weight_bucket(float w)
+{
+    uint32_t bits;
+    memcpy(&bits, &w, sizeof(bits));
+    return bits >> 16;
+}
+
+/* One row's cut; its weights exp(score - best) are written to w on the way. */
+static float row_nucleus_cut(const float *s, int64_t cols, float top_p, float *w, double *mass, scored_t *tied)
+{
+    float best = s[0];
+    for (int64_t c = 1; c < cols; c++) best = s[c] > best ? s[c] : best;
+    /* Masses in float64 (a cut near top_p = 0.999 can sit a millionth of the mass from the next
+     * token), summed in float32 a thousand weights at a time, which vectorises. */
+    double total = 0.0;
+    for (int64_t c0 = 0; c0 < cols; c0 += 1024) {
+        const int64_t end = c0 + 1024 < cols ? c0 + 1024 : cols;
+        float part = 0.0f;
+        for (int64_t c = c0; c < end; c++) {
+            w[c] = exp_nonpositive(s[c] - best);
+            part += w[c];
+        }
+        total += part;
+    }
+    memset(mass, 0, WEIGHT_BUCKETS * sizeof(double));
+    for (int64_t c = 0; c < cols; c++) mass[weight_bucket(w[c])] += w[c];
+    const double target = top_p * total;
+    double before = 0.0; /* the mass of the buckets above `b` */
+    int64_t b = WEIGHT_BUCKETS - 1;
+    for (; b > 0 && before + mass[b] < target; b--) before += mass[b];
+    int64_t n = 0;
+    for (int64_t c = 0; c < cols; c++)
+        if (weight_bucket(w[c]) == (uint32_t)b) tied[n++] = (scored_t){s[c], w[c]};
+    if (n == 0) return -INFINITY; /* rounding left the target above the whole mass: keep every token */
+    qsort(tied, (size_t)n, sizeof(scored_t), by_score_descending);
+    float cut = tied[0].score;
+    for (int64_t i = 0; i < n && before < target; i++) {
+        cut = tied[i].score;
+        before += tied[i].weight;
+    }
+    return cut;
+}
+
+/* Returns 0, or 1 where a thread's scratch could not be allocated (its rows are then unset). */
+int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const float *top_p, float *cut, float *weights,
+                     int num_threads)
+{
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
+    {
+        double *mass = malloc(WEIGHT_BUCKETS * sizeof(double));
+        scored_t *tied = malloc((size_t)cols * sizeof(scored_t));
+        failed = !mass || !tied;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            const float *s = scores + r * cols;
+            float *w = weights + r * cols;
+            const float kept = cut[r] = row_nucleus_cut(s, cols, top_p[r], w, mass, tied);
+            for (int64_t c = 0; c < cols; c++) w[c] = s[c] >= kept ? w[c] : 0.0f;
+        }
+        free(mass);
+        free(tied);
+    }
+    return failed;
 }
