@@ -434,11 +434,9 @@ def _assemble(
     num_rows: int, parts: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [R, K] float32 and int64
     """Rows of candidates of several widths in one tensor, each padded with -inf scores (id 0)."""
+    if len(parts) == 1 and parts[0][0] == list(range(num_rows)):  # every row, in order
+        return parts[0][1], parts[0][2]
     width = max(top_scores.shape[1] for _, top_scores, _ in parts)
-    if len(parts) == 1 and len(parts[0][0]) == num_rows:
-        rows, top_scores, top_ids = parts[0]
-        if rows == list(range(num_rows)):
-            return top_scores, top_ids
     all_scores = torch.full((num_rows, width), float("-inf"), device=device)
     all_ids = torch.zeros(num_rows, width, dtype=torch.int64, device=device)
     for rows, top_scores, top_ids in parts:
