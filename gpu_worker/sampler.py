@@ -304,8 +304,10 @@ def _whole_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> to
     _, kept = ops.nucleus(_rows(scores, nucleus).contiguous(), top_p)
     if len(nucleus) == len(params):
         return _min_p(kept, params)
-    weights = _relative_exp(scores)
+    others = [i for i, p in enumerate(params) if p.top_p >= 1.0]
+    weights = torch.empty_like(scores)
     weights.index_copy_(0, to_device(nucleus, scores.device), kept)
+    weights.index_copy_(0, to_device(others, scores.device), _relative_exp(_rows(scores, others)))
     return _min_p(weights, params)
 
 
