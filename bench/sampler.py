@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from transformers_baseline import load_transformers_model
 from workloads import default_gguf, load_tokenizer
 
 from gpu_worker.host_memory import keep_freed_memory
@@ -72,17 +73,9 @@ def sampler_at(rev: str, into: Path) -> ModuleType:
 def model_logits(model_path: Path, positions: int) -> torch.Tensor:  # [positions, 64, V] bfloat16
     """SmolLM2's next-token logits for the 64 chat prompts, at every 4th of `positions` * 4 greedy
     tokens."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent),
-        gguf_file=model_path.name,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    ).eval()
+    options = argparse.Namespace(model=model_path, hf_threads=0, hf_device="cpu")
+    model, _ = load_transformers_model(options, "bfloat16")
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
