@@ -11,7 +11,9 @@ by both, so the share of identical tokens says whether the draws still invert th
 distributions. A second table gives how many of the best tokens hold each top-p nucleus, which is
 how gpu_worker/sampler.py's TOP_P_WIDTHS were chosen.
 
-Only gpu_worker/sampler.py is taken from --rev; what it imports comes from this checkout.
+gpu_worker/sampler.py is taken from --rev, and so are the CPU kernels it calls (kernels/cpu's
+fused_ops.c, built as that revision had it) where they have every entry point this checkout binds;
+the rest of what it imports comes from this checkout.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from decode_attention_ab import sources_at
 from transformers_baseline import load_transformers_model
 from workloads import default_gguf, load_tokenizer
 
 from gpu_worker.host_memory import keep_freed_memory
+from kernels.cpu_build import build, load
+from kernels.cpu_fused import _SIGNATURES, CpuFusedOps
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = 64
@@ -52,8 +57,10 @@ KINDS = ["Write a short poem about", "Explain", "Tell me a story about", "List f
 PROMPTS = [f"{kind} {topic}." for kind in KINDS for topic in TOPICS] * 2  # 64
 
 
-def sampler_at(rev: str, into: Path) -> ModuleType:
-    """gpu_worker/sampler.py as it was at `rev`, imported as a module of its own."""
+def sampler_at(rev: str, into: Path, kernels: bool = True) -> ModuleType:
+    """gpu_worker/sampler.py as it was at `rev`, imported as a module of its own. With `kernels`,
+    it calls `rev`'s bfloat16 fused ops where they have every entry point (else this checkout's,
+    and it says so); without, this checkout's."""
     source = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:gpu_worker/sampler.py"],
         capture_output=True,
@@ -67,6 +74,13 @@ def sampler_at(rev: str, into: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
+    if kernels and hasattr(module, "_cpu_ops"):  # the list the sampler fills with its ops on first use
+        library = load(build("fused_ops.c", {"ELEM_BF16": 1}, sources=sources_at(rev, into)))
+        missing = [name for name in _SIGNATURES if not hasattr(library, name)]
+        if missing:
+            print(f"# {rev}'s fused ops lack {', '.join(missing)}: its sampler runs this checkout's")
+        else:
+            module._cpu_ops[:] = [CpuFusedOps(library, torch.bfloat16)]
     return module
 
 

@@ -177,6 +177,20 @@ def test_a_nucleus_keeps_the_best_tokens_until_they_hold_top_p(dtype: torch.dtyp
         torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)  # zeros exactly where cut
 
 
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 47, 1040])
+def test_a_nucleus_is_cut_alike_at_any_row_length(cols: int) -> None:
+    """Row lengths around the 16-lane vectors that find the best score and gather the candidates;
+    top_p up to 1, which keeps every token (the cut then may be -inf or the row's least score)."""
+    gen = torch.Generator().manual_seed(cols)
+    top_p = torch.tensor([0.5, 0.9, 0.999, 0.9999, 1.0])
+    scores = torch.randn(len(top_p), cols, generator=gen) * 2.0
+    cuts, weights = ops_for(torch.float32).nucleus(scores, top_p)
+    expected = [_nucleus_reference(row, float(p)) for row, p in zip(scores[:-1], top_p[:-1], strict=True)]
+    assert cuts[:-1].tolist() == expected
+    assert bool((weights[-1] > 0).all()) and float(cuts[-1]) <= float(scores[-1].min())
+    assert bool(((weights > 0) == (scores >= cuts[:, None])).all())
+
+
 def test_a_nucleus_keeps_every_token_tied_with_its_last() -> None:
     # probabilities about 0.47, then three tied at 0.17, then the tail: top-p 0.6 ends in the ties.
     scores = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.5, -1.0]])

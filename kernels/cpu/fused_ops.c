@@ -327,14 +327,29 @@ void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *
  * and 7 bits of mantissa: buckets under 1% wide, in the weights' order), each bucket's mass
  * summed; the buckets from the top hold the nucleus up to one of them, whose tokens alone are
  * sorted. Flat rows, whose nucleus spans thousands of tokens, otherwise rank most of the
- * vocabulary. Each thread allocates its scratch: the buckets' masses, and room for one bucket's
- * tokens.
+ * vocabulary.
+ *
+ * Only the tokens of weight >= floor = (1 - top_p) * total / (2 * cols) are bucketed: the others
+ * hold at most half of the 1 - top_p of the mass the nucleus leaves out, so its last token is
+ * among the first, and the buckets it counts are the few exponents above the floor's, which
+ * stay in the L1 cache. The total is summed in float64, whose rounding is far inside that margin
+ * for any top_p below 1 that float32 holds (1 - top_p >= 6e-8). The cut is the one the whole row's
+ * buckets give: the buckets above the floor's hold the same tokens either way.
  */
 #define WEIGHT_BUCKETS (0x3f80 + 1) /* the top 16 bits of floats in [0, 1] */
 
 typedef struct {
     float score, weight;
 } scored_t;
+
+/* Each thread's scratch: the buckets' masses, and room for a row's candidates (their columns
+ * and weights) and for one bucket's tokens. */
+typedef struct {
+    double *mass;
+    int32_t *column;
+    float *weight;
+    scored_t *tied;
+} nucleus_scratch_t;
 
 static int by_score_descending(const void *a, const void *b)
 {
@@ -349,36 +364,104 @@ static inline uint32_t weight_bucket(float w)
     return bits >> 16;
 }
 
-/* One row's cut; its weights exp(score - best) are written to w on the way. */
-static float row_nucleus_cut(const float *s, int64_t cols, float top_p, float *w, double *mass, scored_t *tied)
+/* The row's largest score (s[0] where that is NaN; other NaNs are passed over), over 16
+ * independent running maxima so that the loop vectorises without reordering a reduction. */
+static float row_max(const float *s, int64_t cols)
 {
-    float best = s[0];
-    for (int64_t c = 1; c < cols; c++) best = s[c] > best ? s[c] : best;
-    /* Masses in float64 (a cut near top_p = 0.999 can sit a millionth of the mass from the next
-     * token), summed in float32 a thousand weights at a time, which vectorises. */
-    double total = 0.0;
-    for (int64_t c0 = 0; c0 < cols; c0 += 1024) {
-        const int64_t end = c0 + 1024 < cols ? c0 + 1024 : cols;
-        float part = 0.0f;
-        for (int64_t c = c0; c < end; c++) {
-            w[c] = exp_nonpositive(s[c] - best);
-            part += w[c];
-        }
-        total += part;
+    float lane[16];
+    for (int j = 0; j < 16; j++) lane[j] = s[0];
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16)
+        for (int j = 0; j < 16; j++) lane[j] = s[c + j] > lane[j] ? s[c + j] : lane[j];
+    float best = lane[0];
+    for (int j = 1; j < 16; j++) best = lane[j] > best ? lane[j] : best;
+    for (; c < cols; c++) best = s[c] > best ? s[c] : best;
+    return best;
+}
+
+/* The columns of the row's tokens of weight >= floor, and their weights, in column order, into
+ * the scratch; returns how many. */
+static int64_t gather_candidates(const float *w, int64_t cols, float floor, nucleus_scratch_t *scratch)
+{
+    int32_t *column = scratch->column;
+    float *weight = scratch->weight;
+    int64_t n = 0, c = 0;
+#ifdef __AVX512F__
+    /* In registers, then whole-vector stores: a compressing store to memory is slow on some CPUs. */
+    const __m512 bound = _mm512_set1_ps(floor);
+    __m512i columns = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; c + 16 <= cols; c += 16) {
+        const __m512 v = _mm512_loadu_ps(w + c);
+        const __mmask16 kept = _mm512_cmp_ps_mask(v, bound, _CMP_GE_OQ);
+        _mm512_storeu_si512(column + n, _mm512_maskz_compress_epi32(kept, columns));
+        _mm512_storeu_ps(weight + n, _mm512_maskz_compress_ps(kept, v));
+        n += __builtin_popcount(kept);
+        columns = _mm512_add_epi32(columns, _mm512_set1_epi32(16));
     }
-    memset(mass, 0, WEIGHT_BUCKETS * sizeof(double));
-    for (int64_t c = 0; c < cols; c++) mass[weight_bucket(w[c])] += w[c];
+#endif
+    for (; c < cols; c++) { /* branch-free: each token is written, and kept by moving on */
+        column[n] = (int32_t)c;
+        weight[n] = w[c];
+        n += w[c] >= floor;
+    }
+    return n;
+}
+
+/* The scratch's n candidates narrowed, in place and in order, to those in bucket b; returns how many. */
+static int64_t keep_bucket(nucleus_scratch_t *scratch, int64_t n, uint32_t b)
+{
+    int32_t *column = scratch->column;
+    float *weight = scratch->weight;
+    int64_t m = 0, i = 0;
+#ifdef __AVX512F__
+    /* Each vector is read before the (whole-vector) store that may overwrite it: m <= i. */
+    const __m512i bucket = _mm512_set1_epi32((int32_t)b);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(weight + i);
+        const __mmask16 kept = _mm512_cmpeq_epi32_mask(_mm512_srli_epi32(_mm512_castps_si512(v), 16), bucket);
+        const __m512i columns = _mm512_loadu_si512(column + i);
+        _mm512_storeu_si512(column + m, _mm512_maskz_compress_epi32(kept, columns));
+        _mm512_storeu_ps(weight + m, _mm512_maskz_compress_ps(kept, v));
+        m += __builtin_popcount(kept);
+    }
+#endif
+    for (; i < n; i++) {
+        column[m] = column[i];
+        weight[m] = weight[i];
+        m += weight_bucket(weight[i]) == b;
+    }
+    return m;
+}
+
+/* One row's cut; its weights exp(score - best) are written to w on the way. */
+static float row_nucleus_cut(const float *s, int64_t cols, float top_p, float *w, nucleus_scratch_t *scratch)
+{
+    const float best = row_max(s, cols);
+    /* Masses in float64: a cut near top_p = 0.999 can sit a millionth of the mass from the next
+     * token, and the floor's margin must outlast the total's rounding. */
+    double total = 0.0;
+    for (int64_t c = 0; c < cols; c++) {
+        w[c] = exp_nonpositive(s[c] - best);
+        total += w[c];
+    }
+    const float floor = (float)((1.0 - top_p) * total / (2.0 * (double)cols));
+    const int64_t n = gather_candidates(w, cols, floor, scratch);
+    const float *weight = scratch->weight;
+    const int64_t lowest = weight_bucket(floor);
+    double *mass = scratch->mass;
+    memset(mass + lowest, 0, (WEIGHT_BUCKETS - lowest) * sizeof(double));
+    for (int64_t i = 0; i < n; i++) mass[weight_bucket(weight[i])] += weight[i];
     const double target = top_p * total;
     double before = 0.0; /* the mass of the buckets above `b` */
     int64_t b = WEIGHT_BUCKETS - 1;
-    for (; b > 0 && before + mass[b] < target; b--) before += mass[b];
-    int64_t n = 0;
-    for (int64_t c = 0; c < cols; c++)
-        if (weight_bucket(w[c]) == (uint32_t)b) tied[n++] = (scored_t){s[c], w[c]};
-    if (n == 0) return -INFINITY; /* rounding left the target above the whole mass: keep every token */
-    qsort(tied, (size_t)n, sizeof(scored_t), by_score_descending);
+    for (; b > lowest && before + mass[b] < target; b--) before += mass[b];
+    const int64_t m = keep_bucket(scratch, n, (uint32_t)b);
+    scored_t *tied = scratch->tied;
+    for (int64_t i = 0; i < m; i++) tied[i] = (scored_t){s[scratch->column[i]], weight[i]};
+    if (m == 0) return -INFINITY; /* rounding left the target above the whole mass: keep every token */
+    qsort(tied, (size_t)m, sizeof(scored_t), by_score_descending);
     float cut = tied[0].score;
-    for (int64_t i = 0; i < n && before < target; i++) {
+    for (int64_t i = 0; i < m && before < target; i++) {
         cut = tied[i].score;
         before += tied[i].weight;
     }
@@ -392,19 +475,25 @@ int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const floa
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
     {
-        double *mass = malloc(WEIGHT_BUCKETS * sizeof(double));
-        scored_t *tied = malloc((size_t)cols * sizeof(scored_t));
-        failed = !mass || !tied;
+        nucleus_scratch_t scratch = {
+            .mass = malloc(WEIGHT_BUCKETS * sizeof(double)),
+            .column = malloc((size_t)cols * sizeof(int32_t)),
+            .weight = malloc((size_t)cols * sizeof(float)),
+            .tied = malloc((size_t)cols * sizeof(scored_t)),
+        };
+        failed = !scratch.mass || !scratch.column || !scratch.weight || !scratch.tied;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
             const float *s = scores + r * cols;
             float *w = weights + r * cols;
-            const float kept = cut[r] = row_nucleus_cut(s, cols, top_p[r], w, mass, tied);
+            const float kept = cut[r] = row_nucleus_cut(s, cols, top_p[r], w, &scratch);
             for (int64_t c = 0; c < cols; c++) w[c] = s[c] >= kept ? w[c] : 0.0f;
         }
-        free(mass);
-        free(tied);
+        free(scratch.mass);
+        free(scratch.column);
+        free(scratch.weight);
+        free(scratch.tied);
     }
     return failed;
 }

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -15,6 +16,8 @@ from gpu_worker import sampler
 
 # The last sampler that summed the whole vocabulary for every draw, in token-id order.
 WHOLE_VOCABULARY = "6e5f0c3"
+# The first sampler whose top-p rows took the C nucleus cut.
+NUCLEUS_KERNEL = "a22a197"
 
 
 @pytest.mark.parametrize(
@@ -26,7 +29,7 @@ def test_ranked_rows_draw_what_the_whole_vocabularys_running_total_drew(
 ) -> None:
     """The draws over a row's candidates alone add the same weights in the same order as the sum
     over the whole vocabulary did (the filtered ones were zeros): the same tokens, seed for seed."""
-    before = bench.sampler_at(WHOLE_VOCABULARY, tmp_path)
+    before = bench.sampler_at(WHOLE_VOCABULARY, tmp_path, kernels=False)
     logits = bench.synthetic_logits(2, vocab=5000)
     tokens = bench.seeded_tokens(sampler, logits, setting)
     assert bench.seeded_tokens(before, logits, setting) == tokens
@@ -40,3 +43,18 @@ def test_the_nucleus_is_counted_in_ranked_tokens() -> None:
     # A nucleus widens with the temperature and with top_p.
     assert bool((bench.nucleus_sizes(logits, 1.5, 0.9) >= sizes).all())
     assert bool((bench.nucleus_sizes(logits, 1.0, 0.99) >= sizes).all())
+
+
+def test_the_revisions_sampler_calls_its_own_kernels(tmp_path: Path) -> None:
+    """From a22a197 on, the sampler's nucleus cut is a C kernel: the revision's build of it, not
+    this checkout's, serves the revision's sampler; the two cut the same nuclei (the candidates'
+    floor changed how, not what)."""
+    before = bench.sampler_at(NUCLEUS_KERNEL, tmp_path)
+    theirs, ours = before._cpu_ops[0], sampler._cpu_bfloat16_ops()
+    assert theirs is not None and ours is not None and theirs._lib._name != ours._lib._name
+    scores = bench.synthetic_logits(1, vocab=5000)[0].float() / 0.8
+    for top_p in (0.5, 0.9, 0.95, 0.99, 0.999):
+        p = torch.full((bench.ROWS,), top_p)
+        (cut_a, weights_a), (cut_b, weights_b) = theirs.nucleus(scores, p), ours.nucleus(scores, p)
+        assert torch.equal(cut_a, cut_b)
+        assert torch.equal(weights_a > 0, weights_b > 0)
