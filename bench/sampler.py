@@ -12,23 +12,23 @@ distributions. A second table gives how many of the best tokens hold each top-p 
 how gpu_worker/sampler.py's TOP_P_WIDTHS were chosen.
 
 gpu_worker/sampler.py is taken from --rev, and so are the CPU kernels it calls (kernels/cpu's
-fused_ops.c, built as that revision had it) where they have every entry point this checkout binds;
-the rest of what it imports comes from this checkout.
+fused_ops.c, built as that revision had it); the rest of what it imports comes from this checkout.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from types import ModuleType, SimpleNamespace
+from typing import Any, NoReturn
 
 import torch
 from decode_attention_ab import sources_at
@@ -59,8 +59,7 @@ PROMPTS = [f"{kind} {topic}." for kind in KINDS for topic in TOPICS] * 2  # 64
 
 def sampler_at(rev: str, into: Path, kernels: bool = True) -> ModuleType:
     """gpu_worker/sampler.py as it was at `rev`, imported as a module of its own. With `kernels`,
-    it calls `rev`'s bfloat16 fused ops where they have every entry point (else this checkout's,
-    and it says so); without, this checkout's."""
+    it calls `rev`'s bfloat16 fused ops; without, this checkout's."""
     source = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:gpu_worker/sampler.py"],
         capture_output=True,
@@ -76,12 +75,23 @@ def sampler_at(rev: str, into: Path, kernels: bool = True) -> ModuleType:
     spec.loader.exec_module(module)
     if kernels and hasattr(module, "_cpu_ops"):  # the list the sampler fills with its ops on first use
         library = load(build("fused_ops.c", {"ELEM_BF16": 1}, sources=sources_at(rev, into)))
-        missing = [name for name in _SIGNATURES if not hasattr(library, name)]
-        if missing:
-            print(f"# {rev}'s fused ops lack {', '.join(missing)}: its sampler runs this checkout's")
-        else:
-            module._cpu_ops[:] = [CpuFusedOps(library, torch.bfloat16)]
+        module._cpu_ops[:] = [CpuFusedOps(with_every_entry_point(library, rev), torch.bfloat16)]
     return module
+
+
+def with_every_entry_point(library: ctypes.CDLL, rev: str) -> SimpleNamespace:
+    """`library`'s functions under the names CpuFusedOps binds; one it lacks (an op newer than
+    `rev`, which its sampler does not call) raises if called."""
+
+    def lacking(name: str) -> Callable[..., NoReturn]:
+        def call(*args: object) -> NoReturn:
+            raise RuntimeError(f"{rev}'s fused ops have no {name}")
+
+        return call
+
+    return SimpleNamespace(
+        **{name: getattr(library, name) if hasattr(library, name) else lacking(name) for name in _SIGNATURES}
+    )
 
 
 def model_logits(model_path: Path, positions: int) -> torch.Tensor:  # [positions, 64, V] bfloat16

@@ -200,6 +200,33 @@ def test_a_nucleus_keeps_every_token_tied_with_its_last() -> None:
     assert ops_for(torch.float32).nucleus(scores, torch.tensor([0.3]))[0].tolist() == [3.0]
 
 
+def _draw_reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float, uniform: float) -> int:
+    """The first token whose running total of kept weights (float64, token-id order) passes the
+    uniform times their total."""
+    scaled = row / temperature
+    weights = (scaled.double() - scaled.double().max()).exp()
+    cut = _nucleus_reference(scaled, top_p) if top_p < 1.0 else float("-inf")
+    kept = torch.where((scaled >= cut) & (weights >= min_p), weights, 0.0)
+    running = kept.cumsum(dim=0)
+    return int(torch.searchsorted(running, uniform * running[-1], right=True))
+
+
+@pytest.mark.parametrize("cols", [1, 17, 1023, 1024, 1025, 3109])  # around the 1024-token blocks
+def test_a_draw_inverts_the_running_total_of_the_kept_weights(cols: int) -> None:
+    gen = torch.Generator().manual_seed(cols)
+    settings = [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.5, 1.0, 0.05), (1.0, 0.95, 0.02), (0.5, 0.5, 0.0)]
+    uniforms = [0.0, 0.9999999, *torch.rand(6, generator=gen).tolist()]
+    rows = [(setting, u) for setting in settings for u in uniforms]
+    scores = torch.randn(len(rows), cols, generator=gen) * 3.0
+    tokens = ops_for(torch.float32).draw(
+        scores,
+        *(torch.tensor([setting[i] for setting, _ in rows]) for i in range(3)),
+        torch.tensor([u for _, u in rows]),
+    )
+    expected = [_draw_reference(row, *setting, u) for row, (setting, u) in zip(scores, rows, strict=True)]
+    assert tokens.tolist() == expected
+
+
 def test_launchers_reject_what_the_kernels_cannot_take() -> None:
     ops = ops_for(torch.bfloat16)
     with pytest.raises(ValueError, match="x"):
@@ -223,6 +250,13 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         ops.nucleus(torch.zeros(2, 6, dtype=torch.bfloat16), torch.ones(2))  # logits, not float32 scores
     with pytest.raises(ValueError, match=r"^top_p: "):
         ops.nucleus(torch.zeros(2, 6), torch.ones(3))
+    row = torch.ones(2)
+    with pytest.raises(ValueError, match=r"^scores: "):
+        ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, row, row, row)
+    with pytest.raises(ValueError, match=r"^min_p: "):
+        ops.draw(torch.zeros(2, 6), row, row, torch.ones(3), row)
+    with pytest.raises(ValueError, match=r"^uniform: "):
+        ops.draw(torch.zeros(2, 6), row, row, row, torch.ones(2, dtype=torch.float64))
     q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rotary_embedding(q, q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3))

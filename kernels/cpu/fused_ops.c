@@ -433,17 +433,24 @@ static int64_t keep_bucket(nucleus_scratch_t *scratch, int64_t n, uint32_t b)
     return m;
 }
 
-/* One row's cut; its weights exp(score - best) are written to w on the way. */
-static float row_nucleus_cut(const float *s, int64_t cols, float top_p, float *w, nucleus_scratch_t *scratch)
+/* The row's weights exp(score - best) into w; returns their total, in float64: a cut near
+ * top_p = 0.999 can sit a millionth of the mass from the next token, and the floor's margin must
+ * outlast the total's rounding. */
+static double row_weights(const float *s, int64_t cols, float *w)
 {
     const float best = row_max(s, cols);
-    /* Masses in float64: a cut near top_p = 0.999 can sit a millionth of the mass from the next
-     * token, and the floor's margin must outlast the total's rounding. */
     double total = 0.0;
     for (int64_t c = 0; c < cols; c++) {
         w[c] = exp_nonpositive(s[c] - best);
         total += w[c];
     }
+    return total;
+}
+
+/* The row's cut, from its weights w and their total. */
+static float row_nucleus_cut(const float *s, const float *w, int64_t cols, float top_p, double total,
+                             nucleus_scratch_t *scratch)
+{
     const float floor = (float)((1.0 - top_p) * total / (2.0 * (double)cols));
     const int64_t n = gather_candidates(w, cols, floor, scratch);
     const float *weight = scratch->weight;
@@ -468,6 +475,23 @@ static float row_nucleus_cut(const float *s, int64_t cols, float top_p, float *w
     return cut;
 }
 
+static int alloc_scratch(nucleus_scratch_t *scratch, int64_t cols)
+{
+    scratch->mass = malloc(WEIGHT_BUCKETS * sizeof(double));
+    scratch->column = malloc((size_t)cols * sizeof(int32_t));
+    scratch->weight = malloc((size_t)cols * sizeof(float));
+    scratch->tied = malloc((size_t)cols * sizeof(scored_t));
+    return scratch->mass && scratch->column && scratch->weight && scratch->tied;
+}
+
+static void free_scratch(nucleus_scratch_t *scratch)
+{
+    free(scratch->mass);
+    free(scratch->column);
+    free(scratch->weight);
+    free(scratch->tied);
+}
+
 /* Returns 0, or 1 where a thread's scratch could not be allocated (its rows are then unset). */
 int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const float *top_p, float *cut, float *weights,
                      int num_threads)
@@ -475,25 +499,116 @@ int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const floa
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
     {
-        nucleus_scratch_t scratch = {
-            .mass = malloc(WEIGHT_BUCKETS * sizeof(double)),
-            .column = malloc((size_t)cols * sizeof(int32_t)),
-            .weight = malloc((size_t)cols * sizeof(float)),
-            .tied = malloc((size_t)cols * sizeof(scored_t)),
-        };
-        failed = !scratch.mass || !scratch.column || !scratch.weight || !scratch.tied;
+        nucleus_scratch_t scratch;
+        failed = !alloc_scratch(&scratch, cols);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
             const float *s = scores + r * cols;
             float *w = weights + r * cols;
-            const float kept = cut[r] = row_nucleus_cut(s, cols, top_p[r], w, &scratch);
+            const double total = row_weights(s, cols, w);
+            const float kept = cut[r] = row_nucleus_cut(s, w, cols, top_p[r], total, &scratch);
             for (int64_t c = 0; c < cols; c++) w[c] = s[c] >= kept ? w[c] : 0.0f;
         }
-        free(scratch.mass);
-        free(scratch.column);
-        free(scratch.weight);
-        free(scratch.tied);
+        free_scratch(&scratch);
+    }
+    return failed;
+}
+
+/*
+ * One token per row drawn from softmax(scores / temperature) after top-p and min-p: the first
+ * token, in token-id order, whose running total of kept weights passes uniform[r] times their
+ * total (the draw gpu_worker/sampler.py defines). A token is kept when its score at temperature is
+ * >= the row's nucleus cut (none where top_p >= 1) and its weight exp(score - best) >= min_p.
+ *
+ * The kept weights are summed a block of DRAW_BLOCK tokens at a time, in float64; the target's
+ * block is found from the blocks' sums and the token within it by summing that block again.
+ * Where rounding lets the target pass the last kept token of its block, that token is taken; where
+ * it passes the row's whole total, the row's best token.
+ */
+#define DRAW_BLOCK 1024
+
+/* Each thread's scratch for draws: a row at temperature, its weights, its blocks' kept masses. */
+typedef struct {
+    nucleus_scratch_t nucleus;
+    float *scaled, *w;
+    double *block_mass;
+} draw_scratch_t;
+
+static int alloc_draw_scratch(draw_scratch_t *scratch, int64_t cols)
+{
+    const int ok = alloc_scratch(&scratch->nucleus, cols);
+    scratch->scaled = malloc((size_t)cols * sizeof(float));
+    scratch->w = malloc((size_t)cols * sizeof(float));
+    scratch->block_mass = malloc((size_t)((cols + DRAW_BLOCK - 1) / DRAW_BLOCK) * sizeof(double));
+    return ok && scratch->scaled && scratch->w && scratch->block_mass;
+}
+
+static void free_draw_scratch(draw_scratch_t *scratch)
+{
+    free_scratch(&scratch->nucleus);
+    free(scratch->scaled);
+    free(scratch->w);
+    free(scratch->block_mass);
+}
+
+/* The first of the row's largest entries. */
+static int64_t first_best(const float *x, int64_t cols)
+{
+    const float best = row_max(x, cols);
+    int64_t c = 0;
+    while (c + 1 < cols && x[c] != best) c++;
+    return c;
+}
+
+static int64_t row_draw(const float *s, int64_t cols, float temperature, float top_p, float min_p, float uniform,
+                        draw_scratch_t *scratch)
+{
+    float *scaled = scratch->scaled, *w = scratch->w;
+    for (int64_t c = 0; c < cols; c++) scaled[c] = s[c] / temperature;
+    const double total = row_weights(scaled, cols, w);
+    const float cut = top_p < 1.0f ? row_nucleus_cut(scaled, w, cols, top_p, total, &scratch->nucleus) : -INFINITY;
+    const int64_t blocks = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    double kept_total = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        double sum = 0.0;
+        for (int64_t c = b * DRAW_BLOCK; c < end; c++) sum += scaled[c] >= cut && w[c] >= min_p ? w[c] : 0.0f;
+        scratch->block_mass[b] = sum;
+        kept_total += sum;
+    }
+    const double target = uniform * kept_total;
+    double before = 0.0; /* the kept mass of the blocks before `b` */
+    int64_t b = 0;
+    for (; b < blocks && before + scratch->block_mass[b] <= target; b++) before += scratch->block_mass[b];
+    int64_t last_kept = -1;
+    if (b < blocks) {
+        const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        for (int64_t c = b * DRAW_BLOCK; c < end; c++) {
+            if (!(scaled[c] >= cut && w[c] >= min_p && w[c] > 0.0f)) continue;
+            last_kept = c;
+            before += w[c];
+            if (before > target) return c;
+        }
+    }
+    return last_kept >= 0 ? last_kept : first_best(scaled, cols);
+}
+
+/* Returns 0, or 1 where a thread's scratch could not be allocated (its rows are then unset). */
+int duoserve_draw(const float *scores, int64_t rows, int64_t cols, const float *temperature, const float *top_p,
+                  const float *min_p, const float *uniform, int64_t *token, int num_threads)
+{
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
+    {
+        draw_scratch_t scratch;
+        failed = !alloc_draw_scratch(&scratch, cols);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (failed) continue;
+            token[r] = row_draw(scores + r * cols, cols, temperature[r], top_p[r], min_p[r], uniform[r], &scratch);
+        }
+        free_draw_scratch(&scratch);
     }
     return failed;
 }
