@@ -10,18 +10,17 @@ generated), so its token depends on nothing else in the batch and repeats exactl
 recomputed. (One uniform per row instead of an exponential race's one per vocabulary entry:
 drawing 3M exponentials costs more than the forward pass on a CPU.)
 
-A row with top-k (or, off the CPU, top-p) draws among its ranked candidates alone, put in
-token-id order: the same partial sums, bit for bit, as the whole vocabulary's with the filtered
-tokens at zero (a cumulative sum adds in order, and zeros change nothing). Any row not ranked finds
-the block of DRAW_BLOCK tokens its target falls in from the blocks' sums, then the token within
-that block: on a 2-core CPU, summing 64 rows of 49152 in order added 2.0 ms to a draw's 3.9 (the
-temperature and the weights), the blocks 0.8.
+On the CPU one C call draws every sampled row of a step (CpuFusedOps.draw): it finds a row's top-k
+and top-p nucleus without ranking the row (after a flat distribution a nucleus spans thousands of
+tokens, and ranking 64 such rows added about 60 ms to a decode step of 69), and reads each row a
+few times instead of writing out its temperature, weights and filters as tensors. Its top-k keeps
+every token tied with the k-th, as the ranked path's torch.topk does not.
 
-On the CPU the rows not ranked, top-p ones without top-k included, are drawn by one C call
-(CpuFusedOps.draw), which finds a nucleus without ranking the row (after a flat distribution a
-nucleus spans thousands of tokens, and ranking 64 such rows added about 60 ms to a decode step of
-69) and reads each row a few times instead of writing out its temperature, weights and filters:
-64 rows of SmolLM2's logits took 1.9 ms at temperature 0.8 against 4.6 in torch.
+Elsewhere (on a GPU, or without a C compiler) a row with top-k or top-p draws among its ranked
+candidates alone, put in token-id order: the same partial sums, bit for bit, as the whole
+vocabulary's with the filtered tokens at zero (a cumulative sum adds in order, and zeros change
+nothing). Any other row finds the block of DRAW_BLOCK tokens its target falls in from the blocks'
+sums, then the token within that block.
 """
 
 from __future__ import annotations
@@ -143,6 +142,17 @@ class Sampler:
         """One draw per row of `scores` (float32, before temperature)."""
         params = [r.params for r in rows]
         uniforms = self._uniforms(rows, scores.device)  # [R] in [0, 1)
+        ops = _cpu_bfloat16_ops() if scores.device.type == "cpu" else None
+        if ops is not None:
+            vocab = scores.shape[1]
+            return ops.draw(
+                scores.contiguous(),
+                torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=torch.int64),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                uniforms,
+            )
         ranked = _ranked_rows(scores, params)
         if not ranked:
             return _draw_whole(scores, params, uniforms)
@@ -330,26 +340,11 @@ def _at_temperature(scores: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return scores / to_device([p.temperature for p in params], scores.device)[:, None]
 
 
-def _float32(values: Sequence[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32)
-
-
 def _draw_whole(
     scores: torch.Tensor, params: Sequence[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
     """Rows that are not ranked ([R, V] before temperature): the block whose running total first
-    passes the row's target (its uniform times the total weight), then the token in that block. On
-    the CPU, one C call does it all (CpuFusedOps.draw: the same draw, summed in float64), reading
-    each row a few times instead of writing its temperature, weights and filters out whole."""
-    ops = _cpu_bfloat16_ops() if scores.device.type == "cpu" else None
-    if ops is not None:
-        return ops.draw(
-            scores.contiguous(),
-            _float32([p.temperature for p in params]),
-            _float32([p.top_p for p in params]),
-            _float32([p.min_p for p in params]),
-            uniforms,
-        )
+    passes the row's target (its uniform times the total weight), then the token in that block."""
     weights = _whole_weights(_at_temperature(scores, params), params)  # [R, V]
     rows, vocab = weights.shape
     blocks = -(-vocab // DRAW_BLOCK)

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
     "duoserve_nucleus": [_P, _I, _I, _P, _P, _P, _INT],
-    "duoserve_draw": [_P, _I, _I, _P, _P, _P, _P, _P, _INT],
+    "duoserve_draw": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _INT],
 }
 
 _RETURNS_STATUS = {"duoserve_nucleus", "duoserve_draw"}  # 0, or 1 where their scratch could not be allocated
@@ -166,33 +166,35 @@ class CpuFusedOps:
         self,
         scores: torch.Tensor,
         temperature: torch.Tensor,
+        top_k: torch.Tensor,
         top_p: torch.Tensor,
         min_p: torch.Tensor,
         uniform: torch.Tensor,
     ) -> torch.Tensor:  # [R] int64
-        """One token per row from softmax(scores / temperature) after top-p (the nucleus above) and
-        min-p (weights exp(score - best) below it dropped): the first token, in token-id order,
-        whose running total of kept weights passes `uniform` times their total. `scores`: float32
-        rows; the others [R] float32, temperature > 0, uniform in [0, 1)."""
+        """One token per row from softmax(scores / temperature) after top-k (0: off; every token
+        tied with the k-th kept too), top-p (the nucleus of what top-k kept) and min-p (weights
+        exp(score - best) below it dropped): the first token, in token-id order, whose running
+        total of kept weights passes `uniform` times their total. `scores`: float32 rows; the
+        others [R], top_k int64, the rest float32 (temperature > 0, uniform in [0, 1))."""
         _require_tensor(scores, "scores", dims=2, dtypes=(torch.float32,))  # in either element type's build
         require(scores.shape[1] > 0, "scores", scores, "rows of at least one column")
-        for name, values in (
-            ("temperature", temperature),
-            ("top_p", top_p),
-            ("min_p", min_p),
-            ("uniform", uniform),
-        ):
-            _require_tensor(values, name, dims=1, dtypes=(torch.float32,))
+        per_row = {
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "uniform": uniform,
+        }
+        for name, values in per_row.items():
+            dtype = torch.int64 if name == "top_k" else torch.float32
+            _require_tensor(values, name, dims=1, dtypes=(dtype,))
             require(values.shape[0] == scores.shape[0], name, values, f"{scores.shape[0]} entries")
         tokens = torch.empty(scores.shape[0], dtype=torch.int64)
         failed = self._lib.duoserve_draw(
             scores.data_ptr(),
             scores.shape[0],
             scores.shape[1],
-            temperature.data_ptr(),
-            top_p.data_ptr(),
-            min_p.data_ptr(),
-            uniform.data_ptr(),
+            *(values.data_ptr() for values in per_row.values()),
             tokens.data_ptr(),
             torch.get_num_threads(),
         )

@@ -200,31 +200,69 @@ def test_a_nucleus_keeps_every_token_tied_with_its_last() -> None:
     assert ops_for(torch.float32).nucleus(scores, torch.tensor([0.3]))[0].tolist() == [3.0]
 
 
-def _draw_reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float, uniform: float) -> int:
+def _draw_reference(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, uniform: float
+) -> int:
     """The first token whose running total of kept weights (float64, token-id order) passes the
-    uniform times their total."""
+    uniform times their total. Top-k keeps the ties of its k-th; top-p is a share of what it kept."""
     scaled = row / temperature
     weights = (scaled.double() - scaled.double().max()).exp()
-    cut = _nucleus_reference(scaled, top_p) if top_p < 1.0 else float("-inf")
+    cut = float(scaled.sort(descending=True).values[top_k - 1]) if 0 < top_k < len(row) else float("-inf")
+    if top_p < 1.0:
+        cut = max(cut, _nucleus_reference(scaled[scaled >= cut], top_p))
     kept = torch.where((scaled >= cut) & (weights >= min_p), weights, 0.0)
     running = kept.cumsum(dim=0)
     return int(torch.searchsorted(running, uniform * running[-1], right=True))
 
 
+def _draw(
+    scores: torch.Tensor, settings: list[tuple[float, int, float, float]], uniforms: list[float]
+) -> list[int]:
+    """ops.draw with each row's (temperature, top_k, top_p, min_p) and uniform."""
+    columns = list(zip(*settings, strict=True))
+    return (
+        ops_for(torch.float32)
+        .draw(
+            scores,
+            torch.tensor(columns[0]),
+            torch.tensor(columns[1], dtype=torch.int64),
+            torch.tensor(columns[2]),
+            torch.tensor(columns[3]),
+            torch.tensor(uniforms),
+        )
+        .tolist()
+    )
+
+
 @pytest.mark.parametrize("cols", [1, 17, 1023, 1024, 1025, 3109])  # around the 1024-token blocks
-def test_a_draw_inverts_the_running_total_of_the_kept_weights(cols: int) -> None:
+@pytest.mark.parametrize("spread", [3.0, 30.0])  # peaked rows: top-k's candidates at lower floors
+def test_a_draw_inverts_the_running_total_of_the_kept_weights(cols: int, spread: float) -> None:
     gen = torch.Generator().manual_seed(cols)
-    settings = [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.5, 1.0, 0.05), (1.0, 0.95, 0.02), (0.5, 0.5, 0.0)]
+    settings = [  # temperature, top_k, top_p, min_p
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 0, 0.9, 0.0),
+        (1.5, 0, 1.0, 0.05),
+        (1.0, 0, 0.95, 0.02),
+        (0.5, 0, 0.5, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (0.8, 5, 1.0, 0.0),
+        (1.2, 300, 0.9, 0.01),
+        (1.0, 40, 0.5, 0.0),
+    ]
     uniforms = [0.0, 0.9999999, *torch.rand(6, generator=gen).tolist()]
     rows = [(setting, u) for setting in settings for u in uniforms]
-    scores = torch.randn(len(rows), cols, generator=gen) * 3.0
-    tokens = ops_for(torch.float32).draw(
-        scores,
-        *(torch.tensor([setting[i] for setting, _ in rows]) for i in range(3)),
-        torch.tensor([u for _, u in rows]),
-    )
-    expected = [_draw_reference(row, *setting, u) for row, (setting, u) in zip(scores, rows, strict=True)]
-    assert tokens.tolist() == expected
+    scores = torch.randn(len(rows), cols, generator=gen) * spread
+    tokens = _draw(scores, [setting for setting, _ in rows], [u for _, u in rows])
+    assert tokens == [
+        _draw_reference(row, *setting, u) for row, (setting, u) in zip(scores, rows, strict=True)
+    ]
+
+
+def test_a_draws_top_k_keeps_every_token_tied_with_its_last() -> None:
+    scores = torch.tensor([[3.0, 2.0, 0.5, 2.0, 2.0, -1.0]] * 3)
+    settings = [(1.0, 2, 1.0, 0.0)] * 3  # the best and the first 2.0, and the two tied with it
+    assert _draw(scores, settings, [0.0, 0.5, 0.9999999]) == [0, 1, 4]
+    assert _draw(scores[:1], [(1.0, 1, 1.0, 0.0)], [0.9999999]) == [0]
 
 
 def test_launchers_reject_what_the_kernels_cannot_take() -> None:
@@ -250,13 +288,15 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         ops.nucleus(torch.zeros(2, 6, dtype=torch.bfloat16), torch.ones(2))  # logits, not float32 scores
     with pytest.raises(ValueError, match=r"^top_p: "):
         ops.nucleus(torch.zeros(2, 6), torch.ones(3))
-    row = torch.ones(2)
+    row, k = torch.ones(2), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"^scores: "):
-        ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, row, row, row)
+        ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, k, row, row, row)
+    with pytest.raises(ValueError, match=r"^top_k: "):
+        ops.draw(torch.zeros(2, 6), row, row, row, row, row)  # counts, not floats
     with pytest.raises(ValueError, match=r"^min_p: "):
-        ops.draw(torch.zeros(2, 6), row, row, torch.ones(3), row)
+        ops.draw(torch.zeros(2, 6), row, k, row, torch.ones(3), row)
     with pytest.raises(ValueError, match=r"^uniform: "):
-        ops.draw(torch.zeros(2, 6), row, row, row, torch.ones(2, dtype=torch.float64))
+        ops.draw(torch.zeros(2, 6), row, k, row, row, torch.ones(2, dtype=torch.float64))
     q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="inv_freq"):
         ops.rotary_embedding(q, q.clone(), torch.zeros(2, dtype=torch.int64), torch.zeros(3))

@@ -379,20 +379,22 @@ static float row_max(const float *s, int64_t cols)
     return best;
 }
 
-/* The columns of the row's tokens of weight >= floor, and their weights, in column order, into
- * the scratch; returns how many. */
-static int64_t gather_candidates(const float *w, int64_t cols, float floor, nucleus_scratch_t *scratch)
+/* The columns of the row's tokens of weight >= floor and score >= least, and their weights, in
+ * column order, into the scratch; returns how many. */
+static int64_t gather_candidates(const float *s, const float *w, int64_t cols, float floor, float least,
+                                 nucleus_scratch_t *scratch)
 {
     int32_t *column = scratch->column;
     float *weight = scratch->weight;
     int64_t n = 0, c = 0;
 #ifdef __AVX512F__
     /* In registers, then whole-vector stores: a compressing store to memory is slow on some CPUs. */
-    const __m512 bound = _mm512_set1_ps(floor);
+    const __m512 bound = _mm512_set1_ps(floor), lower = _mm512_set1_ps(least);
     __m512i columns = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (; c + 16 <= cols; c += 16) {
         const __m512 v = _mm512_loadu_ps(w + c);
-        const __mmask16 kept = _mm512_cmp_ps_mask(v, bound, _CMP_GE_OQ);
+        const __mmask16 kept = _mm512_cmp_ps_mask(v, bound, _CMP_GE_OQ) &
+                               _mm512_cmp_ps_mask(_mm512_loadu_ps(s + c), lower, _CMP_GE_OQ);
         _mm512_storeu_si512(column + n, _mm512_maskz_compress_epi32(kept, columns));
         _mm512_storeu_ps(weight + n, _mm512_maskz_compress_ps(kept, v));
         n += __builtin_popcount(kept);
@@ -402,7 +404,7 @@ static int64_t gather_candidates(const float *w, int64_t cols, float floor, nucl
     for (; c < cols; c++) { /* branch-free: each token is written, and kept by moving on */
         column[n] = (int32_t)c;
         weight[n] = w[c];
-        n += w[c] >= floor;
+        n += w[c] >= floor && s[c] >= least;
     }
     return n;
 }
@@ -433,26 +435,27 @@ static int64_t keep_bucket(nucleus_scratch_t *scratch, int64_t n, uint32_t b)
     return m;
 }
 
-/* The row's weights exp(score - best) into w; returns their total, in float64: a cut near
- * top_p = 0.999 can sit a millionth of the mass from the next token, and the floor's margin must
- * outlast the total's rounding. */
-static double row_weights(const float *s, int64_t cols, float *w)
+/* The row's weights exp((score - best) * scale) into w (scale: 1 / temperature); returns their
+ * total, in float64: a cut near top_p = 0.999 can sit a millionth of the mass from the next token,
+ * and the floor's margin must outlast the total's rounding. */
+static double row_weights(const float *s, int64_t cols, float scale, float *w)
 {
     const float best = row_max(s, cols);
     double total = 0.0;
     for (int64_t c = 0; c < cols; c++) {
-        w[c] = exp_nonpositive(s[c] - best);
+        w[c] = exp_nonpositive((s[c] - best) * scale);
         total += w[c];
     }
     return total;
 }
 
-/* The row's cut, from its weights w and their total. */
-static float row_nucleus_cut(const float *s, const float *w, int64_t cols, float top_p, double total,
+/* The row's cut among its tokens of score >= least (-INFINITY for all of them), from its weights
+ * w and those tokens' total weight. */
+static float row_nucleus_cut(const float *s, const float *w, int64_t cols, float top_p, double total, float least,
                              nucleus_scratch_t *scratch)
 {
     const float floor = (float)((1.0 - top_p) * total / (2.0 * (double)cols));
-    const int64_t n = gather_candidates(w, cols, floor, scratch);
+    const int64_t n = gather_candidates(s, w, cols, floor, least, scratch);
     const float *weight = scratch->weight;
     const int64_t lowest = weight_bucket(floor);
     double *mass = scratch->mass;
@@ -506,8 +509,8 @@ int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const floa
             if (failed) continue;
             const float *s = scores + r * cols;
             float *w = weights + r * cols;
-            const double total = row_weights(s, cols, w);
-            const float kept = cut[r] = row_nucleus_cut(s, w, cols, top_p[r], total, &scratch);
+            const double total = row_weights(s, cols, 1.0f, w);
+            const float kept = cut[r] = row_nucleus_cut(s, w, cols, top_p[r], total, -INFINITY, &scratch);
             for (int64_t c = 0; c < cols; c++) w[c] = s[c] >= kept ? w[c] : 0.0f;
         }
         free_scratch(&scratch);
@@ -516,10 +519,52 @@ int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const floa
 }
 
 /*
- * One token per row drawn from softmax(scores / temperature) after top-p and min-p: the first
- * token, in token-id order, whose running total of kept weights passes uniform[r] times their
- * total (the draw gpu_worker/sampler.py defines). A token is kept when its score at temperature is
- * >= the row's nucleus cut (none where top_p >= 1) and its weight exp(score - best) >= min_p.
+ * The score of the row's k-th best token (0 < k < cols; w its weights): its top k are the tokens
+ * of score >= it, every token tied with the k-th kept too. The candidates are the tokens of weight
+ * >= a floor, lowered 256-fold at a time from 2^-12 until they number k or more (a gather costs a
+ * few microseconds a row; on SmolLM2's logits at temperature 0.8 to 1.3, top-k 20 to 200 took 1.1
+ * to 2.2 gathers a row on average, of a few hundred to a few thousand candidates); their buckets
+ * are counted from the top down to the one that holds the k-th, whose tokens alone are sorted.
+ */
+static float row_top_k_cut(const float *s, const float *w, int64_t cols, int64_t k, nucleus_scratch_t *scratch)
+{
+    float floor = 1.0f / 4096.0f;
+    int64_t n = gather_candidates(s, w, cols, floor, -INFINITY, scratch);
+    while (n < k && floor > 0.0f) { /* at 0 (after the subnormals) every weight but a NaN is >= it */
+        floor /= 256.0f;
+        n = gather_candidates(s, w, cols, floor, -INFINITY, scratch);
+    }
+    if (n < k) return -INFINITY; /* NaN weights: keep every token */
+    const int64_t lowest = weight_bucket(floor);
+    double *count = scratch->mass; /* the scratch's masses, as counts */
+    memset(count + lowest, 0, (WEIGHT_BUCKETS - lowest) * sizeof(double));
+    for (int64_t i = 0; i < n; i++) count[weight_bucket(scratch->weight[i])] += 1.0;
+    int64_t above = 0; /* the candidates in the buckets above `b` */
+    int64_t b = WEIGHT_BUCKETS - 1;
+    for (; b > lowest && above + (int64_t)count[b] < k; b--) above += (int64_t)count[b];
+    const int64_t m = keep_bucket(scratch, n, (uint32_t)b);
+    scored_t *tied = scratch->tied;
+    for (int64_t i = 0; i < m; i++) tied[i] = (scored_t){s[scratch->column[i]], scratch->weight[i]};
+    qsort(tied, (size_t)m, sizeof(scored_t), by_score_descending);
+    return tied[k - above - 1].score; /* above < k <= above + m */
+}
+
+/* The total weight of the row's tokens of score >= least. */
+static double mass_at_least(const float *s, const float *w, int64_t cols, float least)
+{
+    double mass = 0.0;
+    for (int64_t c = 0; c < cols; c++) mass += s[c] >= least ? w[c] : 0.0f;
+    return mass;
+}
+
+/*
+ * One token per row drawn from softmax(scores / temperature) after top-k, top-p and min-p: the
+ * first token, in token-id order, whose running total of kept weights passes uniform[r] times
+ * their total (the draw gpu_worker/sampler.py defines). A token's weight is
+ * exp((score - best) / temperature); it is kept when its score is among the top_k[r] best (0: all;
+ * ties with the k-th kept), then within the nucleus of those tokens' mass (none where top_p >= 1),
+ * and its weight is >= min_p. Temperature scales the weights alone: the cuts are raw scores, in
+ * the same order.
  *
  * The kept weights are summed a block of DRAW_BLOCK tokens at a time, in float64; the target's
  * block is found from the blocks' sums and the token within it by summing that block again.
@@ -528,26 +573,24 @@ int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const floa
  */
 #define DRAW_BLOCK 1024
 
-/* Each thread's scratch for draws: a row at temperature, its weights, its blocks' kept masses. */
+/* Each thread's scratch for draws: a row's weights, its blocks' kept masses. */
 typedef struct {
     nucleus_scratch_t nucleus;
-    float *scaled, *w;
+    float *w;
     double *block_mass;
 } draw_scratch_t;
 
 static int alloc_draw_scratch(draw_scratch_t *scratch, int64_t cols)
 {
     const int ok = alloc_scratch(&scratch->nucleus, cols);
-    scratch->scaled = malloc((size_t)cols * sizeof(float));
     scratch->w = malloc((size_t)cols * sizeof(float));
     scratch->block_mass = malloc((size_t)((cols + DRAW_BLOCK - 1) / DRAW_BLOCK) * sizeof(double));
-    return ok && scratch->scaled && scratch->w && scratch->block_mass;
+    return ok && scratch->w && scratch->block_mass;
 }
 
 static void free_draw_scratch(draw_scratch_t *scratch)
 {
     free_scratch(&scratch->nucleus);
-    free(scratch->scaled);
     free(scratch->w);
     free(scratch->block_mass);
 }
@@ -561,19 +604,26 @@ static int64_t first_best(const float *x, int64_t cols)
     return c;
 }
 
-static int64_t row_draw(const float *s, int64_t cols, float temperature, float top_p, float min_p, float uniform,
-                        draw_scratch_t *scratch)
+static int64_t row_draw(const float *s, int64_t cols, float temperature, int64_t top_k, float top_p, float min_p,
+                        float uniform, draw_scratch_t *scratch)
 {
-    float *scaled = scratch->scaled, *w = scratch->w;
-    for (int64_t c = 0; c < cols; c++) scaled[c] = s[c] / temperature;
-    const double total = row_weights(scaled, cols, w);
-    const float cut = top_p < 1.0f ? row_nucleus_cut(scaled, w, cols, top_p, total, &scratch->nucleus) : -INFINITY;
+    float *w = scratch->w;
+    double total = row_weights(s, cols, 1.0f / temperature, w);
+    float cut = -INFINITY; /* the least score kept */
+    if (top_k > 0 && top_k < cols) {
+        cut = row_top_k_cut(s, w, cols, top_k, &scratch->nucleus);
+        total = mass_at_least(s, w, cols, cut);
+    }
+    if (top_p < 1.0f) {
+        const float nucleus = row_nucleus_cut(s, w, cols, top_p, total, cut, &scratch->nucleus);
+        cut = nucleus > cut ? nucleus : cut;
+    }
     const int64_t blocks = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
     double kept_total = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
         double sum = 0.0;
-        for (int64_t c = b * DRAW_BLOCK; c < end; c++) sum += scaled[c] >= cut && w[c] >= min_p ? w[c] : 0.0f;
+        for (int64_t c = b * DRAW_BLOCK; c < end; c++) sum += s[c] >= cut && w[c] >= min_p ? w[c] : 0.0f;
         scratch->block_mass[b] = sum;
         kept_total += sum;
     }
@@ -585,18 +635,18 @@ static int64_t row_draw(const float *s, int64_t cols, float temperature, float t
     if (b < blocks) {
         const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
         for (int64_t c = b * DRAW_BLOCK; c < end; c++) {
-            if (!(scaled[c] >= cut && w[c] >= min_p && w[c] > 0.0f)) continue;
+            if (!(s[c] >= cut && w[c] >= min_p && w[c] > 0.0f)) continue;
             last_kept = c;
             before += w[c];
             if (before > target) return c;
         }
     }
-    return last_kept >= 0 ? last_kept : first_best(scaled, cols);
+    return last_kept >= 0 ? last_kept : first_best(s, cols);
 }
 
 /* Returns 0, or 1 where a thread's scratch could not be allocated (its rows are then unset). */
-int duoserve_draw(const float *scores, int64_t rows, int64_t cols, const float *temperature, const float *top_p,
-                  const float *min_p, const float *uniform, int64_t *token, int num_threads)
+int duoserve_draw(const float *scores, int64_t rows, int64_t cols, const float *temperature, const int64_t *top_k,
+                  const float *top_p, const float *min_p, const float *uniform, int64_t *token, int num_threads)
 {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
@@ -606,7 +656,8 @@ int duoserve_draw(const float *scores, int64_t rows, int64_t cols, const float *
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
-            token[r] = row_draw(scores + r * cols, cols, temperature[r], top_p[r], min_p[r], uniform[r], &scratch);
+            token[r] = row_draw(scores + r * cols, cols, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+                                &scratch);
         }
         free_draw_scratch(&scratch);
     }
