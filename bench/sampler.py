@@ -11,24 +11,23 @@ by both, so the share of identical tokens says whether the draws still invert th
 distributions. A second table gives how many of the best tokens hold each top-p nucleus, which is
 how gpu_worker/sampler.py's TOP_P_WIDTHS were chosen.
 
-gpu_worker/sampler.py is taken from --rev, and so are the CPU kernels it calls (kernels/cpu's
-fused_ops.c, built as that revision had it); the rest of what it imports comes from this checkout.
+gpu_worker/sampler.py is taken from --rev, and so are the CPU kernels it calls (kernels/cpu_fused.py
+and the kernels/cpu/fused_ops.c it builds); the rest of what they import comes from this checkout.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import Any
 
 import torch
 from decode_attention_ab import sources_at
@@ -37,7 +36,6 @@ from workloads import default_gguf, load_tokenizer
 
 from gpu_worker.host_memory import keep_freed_memory
 from kernels.cpu_build import build, load
-from kernels.cpu_fused import _SIGNATURES, CpuFusedOps
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = 64
@@ -57,41 +55,32 @@ KINDS = ["Write a short poem about", "Explain", "Tell me a story about", "List f
 PROMPTS = [f"{kind} {topic}." for kind in KINDS for topic in TOPICS] * 2  # 64
 
 
-def sampler_at(rev: str, into: Path, kernels: bool = True) -> ModuleType:
-    """gpu_worker/sampler.py as it was at `rev`, imported as a module of its own. With `kernels`,
-    it calls `rev`'s bfloat16 fused ops; without, this checkout's."""
+def module_at(rev: str, path: str, into: Path) -> ModuleType:
+    """The file `path` as it was at `rev`, imported as a module of its own; what it imports comes
+    from this checkout."""
     source = subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:gpu_worker/sampler.py"],
-        capture_output=True,
-        text=True,
-        check=True,
+        ["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True, check=True
     ).stdout
-    path = into / "sampler_at_rev.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("sampler_at_rev", path)
+    name = Path(path).stem + "_at_rev"
+    (into / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, into / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    if kernels and hasattr(module, "_cpu_ops"):  # the list the sampler fills with its ops on first use
-        library = load(build("fused_ops.c", {"ELEM_BF16": 1}, sources=sources_at(rev, into)))
-        module._cpu_ops[:] = [CpuFusedOps(with_every_entry_point(library, rev), torch.bfloat16)]
     return module
 
 
-def with_every_entry_point(library: ctypes.CDLL, rev: str) -> SimpleNamespace:
-    """`library`'s functions under the names CpuFusedOps binds; one it lacks (an op newer than
-    `rev`, which its sampler does not call) raises if called."""
-
-    def lacking(name: str) -> Callable[..., NoReturn]:
-        def call(*args: object) -> NoReturn:
-            raise RuntimeError(f"{rev}'s fused ops have no {name}")
-
-        return call
-
-    return SimpleNamespace(
-        **{name: getattr(library, name) if hasattr(library, name) else lacking(name) for name in _SIGNATURES}
-    )
+def sampler_at(rev: str, into: Path, kernels: bool = True) -> ModuleType:
+    """gpu_worker/sampler.py as it was at `rev`. With `kernels`, it calls `rev`'s bfloat16 fused
+    ops (kernels/cpu_fused.py and the kernels/cpu/fused_ops.c it builds, as they were at `rev`);
+    without, this checkout's."""
+    module = module_at(rev, "gpu_worker/sampler.py", into)
+    if kernels and hasattr(module, "_cpu_ops"):  # the list the sampler fills with its ops on first use
+        fused = module_at(rev, "kernels/cpu_fused.py", into)
+        library = load(build("fused_ops.c", {"ELEM_BF16": 1}, sources=sources_at(rev, into)))
+        module._cpu_ops[:] = [fused.CpuFusedOps(library, torch.bfloat16)]
+    return module
 
 
 def model_logits(model_path: Path, positions: int) -> torch.Tensor:  # [positions, 64, V] bfloat16

@@ -36,7 +36,7 @@ from kernels.cpu_build import KernelBuildError
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 
 _MASK64 = (1 << 64) - 1
-# How many ranked tokens a top-p row without top-k takes where the CPU's nucleus kernel is not to
+# How many ranked tokens a top-p row without top-k takes where the CPU's draw kernel is not to
 # be had (on a GPU, or without a C compiler): the first width, then for the rows whose candidates
 # hold less than top_p of the mass the next, and so on, then the whole vocabulary.
 # SmolLM2's next-token logits for 64 chat prompts (bench/sampler.py, 384 rows) held their nucleus
@@ -275,8 +275,9 @@ def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [R, V]
     """exp(score - row max) after top-k, top-p and min-p filtering; 0 where filtered, 1 for the best
-    token: the weights a draw inverts (`scores` at temperature). Draws take them from the same
-    helpers without writing them out whole."""
+    token: the weights a draw inverts (`scores` at temperature). The torch path's draws take them
+    from the same helpers without writing them out whole; the CPU's draw kernel applies the same
+    filters (but keeps every token tied with top-k's k-th)."""
     ranked = _ranked_rows(scores, params)
     if not ranked:
         return _whole_weights(scores, params)
@@ -296,31 +297,15 @@ def filtered_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def _ranked_rows(scores: torch.Tensor, params: Sequence[SamplingParams]) -> list[int]:  # [R, V]
-    """The rows that draw among their ranked best tokens: those with a top-k below the vocabulary,
-    and those with top-p where the CPU's nucleus kernel (CpuFusedOps.nucleus) is not to be had."""
+    """The rows that draw among their ranked best tokens: those with a top-k below the vocabulary
+    or a top-p (where the CPU's draw kernel is not to be had)."""
     vocab = scores.shape[1]
-    cuts = scores.device.type == "cpu" and _cpu_bfloat16_ops() is not None
-    return [i for i, p in enumerate(params) if 0 < p.top_k < vocab or (p.top_p < 1.0 and not cuts)]
+    return [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
 
 
 def _whole_weights(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:  # [R, V]
-    """exp(score - row max) for rows that are not ranked (`scores` at temperature; rows with top-p
-    only on the CPU, whose weights the nucleus kernel writes): 0 past each top-p row's nucleus and
-    below min-p."""
-    nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if not nucleus:
-        return _min_p(_relative_exp(scores), params)
-    ops = _cpu_bfloat16_ops()
-    assert ops is not None and scores.device.type == "cpu", "top-p rows without the nucleus kernel are ranked"
-    top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=torch.float32)
-    _, kept = ops.nucleus(_rows(scores, nucleus).contiguous(), top_p)
-    if len(nucleus) == len(params):
-        return _min_p(kept, params)
-    others = [i for i, p in enumerate(params) if p.top_p >= 1.0]
-    weights = torch.empty_like(scores)
-    weights.index_copy_(0, to_device(nucleus, scores.device), kept)
-    weights.index_copy_(0, to_device(others, scores.device), _relative_exp(_rows(scores, others)))
-    return _min_p(weights, params)
+    """exp(score - row max) for rows that are not ranked (`scores` at temperature), 0 below min-p."""
+    return _min_p(_relative_exp(scores), params)
 
 
 def _relative_exp(scores: torch.Tensor) -> torch.Tensor:  # [R, V]

@@ -4,7 +4,8 @@
 signatures and the same rounding, so the model's fused forward runs on either: residual add +
 RMSNorm, rotary embedding in place, SiLU-and-multiply, and the paged KV write; and, for greedy
 sampling, each row's argmax read in the element type (no float32 copy of the logits first), and
-for top-p sampling each row's nucleus found without sorting the row. On the CPU each
+for sampling, each row's draw after temperature, top-k, top-p and min-p in one call, none of
+them sorting the row. On the CPU each
 torch op costs a dispatch and a pass over memory; a decoder layer's norms, rotary, activation
 and KV write were ~40 of them. Built per element type (float32, bfloat16) on first use
 (kernels/cpu_build.py).
@@ -36,11 +37,10 @@ _SIGNATURES = {
     "duoserve_write_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _INT],
     "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
-    "duoserve_nucleus": [_P, _I, _I, _P, _P, _P, _INT],
     "duoserve_draw": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _INT],
 }
 
-_RETURNS_STATUS = {"duoserve_nucleus", "duoserve_draw"}  # 0, or 1 where their scratch could not be allocated
+_RETURNS_STATUS = {"duoserve_draw"}  # 0, or 1 where its scratch could not be allocated
 
 
 def _require_tensor(
@@ -137,31 +137,6 @@ class CpuFusedOps:
         )
         return out
 
-    def nucleus(self, scores: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's top-p nucleus, found without sorting the row: its cut ([R] float32, the score
-        of the last token it keeps: the smallest set of the row's best tokens holding top_p of its
-        softmax's mass, a token kept when the better ones hold less than top_p, ties with the last
-        kept one kept too), and the weights exp(score - row max) of the tokens it keeps, 0 for the
-        others ([R, V] float32). `scores`: float32 rows at temperature; `top_p`: [R] float32."""
-        _require_tensor(scores, "scores", dims=2, dtypes=(torch.float32,))  # in either element type's build
-        require(scores.shape[1] > 0, "scores", scores, "rows of at least one column")
-        _require_tensor(top_p, "top_p", dims=1, dtypes=(torch.float32,))
-        require(top_p.shape[0] == scores.shape[0], "top_p", top_p, f"{scores.shape[0]} entries")
-        cut = torch.empty(scores.shape[0], dtype=torch.float32)
-        weights = torch.empty_like(scores)
-        failed = self._lib.duoserve_nucleus(
-            scores.data_ptr(),
-            scores.shape[0],
-            scores.shape[1],
-            top_p.data_ptr(),
-            cut.data_ptr(),
-            weights.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if failed:
-            raise MemoryError("nucleus: its scratch memory could not be allocated")
-        return cut, weights
-
     def draw(
         self,
         scores: torch.Tensor,
@@ -172,9 +147,10 @@ class CpuFusedOps:
         uniform: torch.Tensor,
     ) -> torch.Tensor:  # [R] int64
         """One token per row from softmax(scores / temperature) after top-k (0: off; every token
-        tied with the k-th kept too), top-p (the nucleus of what top-k kept) and min-p (weights
-        exp(score - best) below it dropped): the first token, in token-id order, whose running
-        total of kept weights passes `uniform` times their total. `scores`: float32 rows; the
+        tied with the k-th kept too), top-p (the smallest set of the best of what top-k kept that
+        holds top_p of its mass, every token tied with its last kept too) and min-p (weights
+        exp((score - best) / temperature) below it dropped): the first token, in token-id order,
+        whose running total of kept weights passes `uniform` times their total. `scores`: float32 rows; the
         others [R], top_k int64, the rest float32 (temperature > 0, uniform in [0, 1))."""
         _require_tensor(scores, "scores", dims=2, dtypes=(torch.float32,))  # in either element type's build
         require(scores.shape[1] > 0, "scores", scores, "rows of at least one column")

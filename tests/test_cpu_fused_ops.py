@@ -161,43 +161,49 @@ def _nucleus_reference(row: torch.Tensor, top_p: float) -> float:
     return cut
 
 
+LAST = 1.0 - 2.0**-24  # the largest uniform below 1: a draw then takes the last token kept
+
+
+def _last_kept(scores: torch.Tensor, top_p: torch.Tensor, build: torch.dtype = torch.float32) -> list[int]:
+    """The last token (in token-id order) each row's draw at temperature 1 and top_p keeps: with
+    the row sorted best first, the nucleus's size less one."""
+    rows = len(scores)
+    ones, off = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    return (
+        ops_for(build).draw(scores, ones, off, top_p, torch.zeros(rows), torch.full((rows,), LAST)).tolist()
+    )
+
+
+def _nucleus_size(row: torch.Tensor, top_p: float) -> int:
+    return int((row >= _nucleus_reference(row, top_p)).sum())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_nucleus_keeps_the_best_tokens_until_they_hold_top_p(dtype: torch.dtype) -> None:
     """Rows from peaked to flat, top_p from 0.1 to 0.999, in either build (the scores are float32)."""
     gen = torch.Generator().manual_seed(2)
     top_p = torch.tensor([0.1, 0.5, 0.9, 0.95, 0.99, 0.999])
     for spread in (0.05, 0.5, 3.0, 10.0):
-        scores = torch.randn(len(top_p), 5000, generator=gen) * spread
-        cuts, weights = ops_for(dtype).nucleus(scores, top_p)
-        assert cuts.tolist() == [
-            _nucleus_reference(row, float(p)) for row, p in zip(scores, top_p, strict=True)
-        ]
-        relative = (scores - scores.amax(dim=-1, keepdim=True)).exp()
-        expected = torch.where(scores >= cuts[:, None], relative, 0.0)
-        torch.testing.assert_close(weights, expected, rtol=1e-6, atol=0)  # zeros exactly where cut
+        scores = (torch.randn(len(top_p), 5000, generator=gen) * spread).sort(dim=-1, descending=True).values
+        expected = [_nucleus_size(row, float(p)) - 1 for row, p in zip(scores, top_p, strict=True)]
+        assert _last_kept(scores, top_p, dtype) == expected
 
 
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 47, 1040])
 def test_a_nucleus_is_cut_alike_at_any_row_length(cols: int) -> None:
     """Row lengths around the 16-lane vectors that find the best score and gather the candidates;
-    top_p up to 1, which keeps every token (the cut then may be -inf or the row's least score)."""
+    top_p up to 1, which keeps every token."""
     gen = torch.Generator().manual_seed(cols)
     top_p = torch.tensor([0.5, 0.9, 0.999, 0.9999, 1.0])
-    scores = torch.randn(len(top_p), cols, generator=gen) * 2.0
-    cuts, weights = ops_for(torch.float32).nucleus(scores, top_p)
-    expected = [_nucleus_reference(row, float(p)) for row, p in zip(scores[:-1], top_p[:-1], strict=True)]
-    assert cuts[:-1].tolist() == expected
-    assert bool((weights[-1] > 0).all()) and float(cuts[-1]) <= float(scores[-1].min())
-    assert bool(((weights > 0) == (scores >= cuts[:, None])).all())
+    scores = (torch.randn(len(top_p), cols, generator=gen) * 2.0).sort(dim=-1, descending=True).values
+    expected = [_nucleus_size(row, float(p)) - 1 for row, p in zip(scores[:-1], top_p[:-1], strict=True)]
+    assert _last_kept(scores, top_p) == [*expected, cols - 1]
 
 
 def test_a_nucleus_keeps_every_token_tied_with_its_last() -> None:
     # probabilities about 0.47, then three tied at 0.17, then the tail: top-p 0.6 ends in the ties.
-    scores = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.5, -1.0]])
-    cut, weights = ops_for(torch.float32).nucleus(scores, torch.tensor([0.6]))
-    assert cut.tolist() == [2.0]  # all three tied tokens have score >= the cut
-    assert (weights[0] > 0).tolist() == [True, True, True, True, False, False]
-    assert ops_for(torch.float32).nucleus(scores, torch.tensor([0.3]))[0].tolist() == [3.0]
+    scores = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.5, -1.0]] * 2)
+    assert _last_kept(scores, torch.tensor([0.6, 0.3])) == [3, 0]  # all three tied tokens; the best alone
 
 
 def _draw_reference(
@@ -249,7 +255,7 @@ def test_a_draw_inverts_the_running_total_of_the_kept_weights(cols: int, spread:
         (1.2, 300, 0.9, 0.01),
         (1.0, 40, 0.5, 0.0),
     ]
-    uniforms = [0.0, 0.9999999, *torch.rand(6, generator=gen).tolist()]
+    uniforms = [0.0, LAST, *torch.rand(6, generator=gen).tolist()]
     rows = [(setting, u) for setting in settings for u in uniforms]
     scores = torch.randn(len(rows), cols, generator=gen) * spread
     tokens = _draw(scores, [setting for setting, _ in rows], [u for _, u in rows])
@@ -261,8 +267,8 @@ def test_a_draw_inverts_the_running_total_of_the_kept_weights(cols: int, spread:
 def test_a_draws_top_k_keeps_every_token_tied_with_its_last() -> None:
     scores = torch.tensor([[3.0, 2.0, 0.5, 2.0, 2.0, -1.0]] * 3)
     settings = [(1.0, 2, 1.0, 0.0)] * 3  # the best and the first 2.0, and the two tied with it
-    assert _draw(scores, settings, [0.0, 0.5, 0.9999999]) == [0, 1, 4]
-    assert _draw(scores[:1], [(1.0, 1, 1.0, 0.0)], [0.9999999]) == [0]
+    assert _draw(scores, settings, [0.0, 0.5, LAST]) == [0, 1, 4]
+    assert _draw(scores[:1], [(1.0, 1, 1.0, 0.0)], [LAST]) == [0]
 
 
 def test_launchers_reject_what_the_kernels_cannot_take() -> None:
@@ -284,13 +290,9 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         ops.argmax(torch.zeros(4, 6, dtype=torch.bfloat16).t())  # columns apart, not contiguous rows
     with pytest.raises(ValueError, match="x"):
         ops.argmax(torch.zeros(4, 0, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"^scores: "):
-        ops.nucleus(torch.zeros(2, 6, dtype=torch.bfloat16), torch.ones(2))  # logits, not float32 scores
-    with pytest.raises(ValueError, match=r"^top_p: "):
-        ops.nucleus(torch.zeros(2, 6), torch.ones(3))
     row, k = torch.ones(2), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"^scores: "):
-        ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, k, row, row, row)
+        ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, k, row, row, row)  # logits, not float32 scores
     with pytest.raises(ValueError, match=r"^top_k: "):
         ops.draw(torch.zeros(2, 6), row, row, row, row, row)  # counts, not floats
     with pytest.raises(ValueError, match=r"^min_p: "):

@@ -184,10 +184,11 @@ def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
     return {token for token, prob in kept if prob >= p.min_p * best}
 
 
-@pytest.fixture(params=["nucleus cut", "ranked"])
+@pytest.fixture(params=["draw kernel", "ranked"])
 def top_p_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Top-p rows on the CPU take the C nucleus cut; without the CPU kernels (or on a GPU) they rank
-    their best tokens as wide as their mass needs. Tests that take this fixture run both ways."""
+    """Sampled rows on the CPU are drawn by the C kernel; without the CPU kernels (or on a GPU), top-k
+    and top-p rows rank their best tokens, a top-p row as many as its mass needs. Tests that take
+    this fixture run both ways."""
     if request.param == "ranked":
         monkeypatch.setattr(sampler, "_cpu_bfloat16_ops", lambda: None)
     else:

@@ -317,17 +317,15 @@ void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *
 }
 
 /*
- * Top-p without sorting a row: cut[r] = the score of the last token row r's nucleus keeps, the
- * smallest set of its best tokens that holds top_p[r] of its mass (a token is kept when the
- * tokens strictly better than it hold less than top_p; every token tied with the last kept one
- * is kept too), and weights[r] = exp(score - best) for the tokens it keeps, 0 for the others.
- * Scores are float32 at temperature, rows `cols` long.
+ * Sampling's filters without sorting a row (duoserve_draw, below, uses them).
  *
- * A row's weights exp(score - best) are bucketed by their float32 bits' top 16 (sign, exponent
- * and 7 bits of mantissa: buckets under 1% wide, in the weights' order), each bucket's mass
- * summed; the buckets from the top hold the nucleus up to one of them, whose tokens alone are
- * sorted. Flat rows, whose nucleus spans thousands of tokens, otherwise rank most of the
- * vocabulary.
+ * Top-p's cut is the score of the last token a row's nucleus keeps: the smallest set of its best
+ * tokens that holds top_p of its mass (a token is kept when the tokens strictly better than it
+ * hold less than top_p; every token tied with the last kept one is kept too). A row's weights
+ * exp(score - best) are bucketed by their float32 bits' top 16 (sign, exponent and 7 bits of
+ * mantissa: buckets under 1% wide, in the weights' order), each bucket's mass summed; the buckets
+ * from the top hold the nucleus up to one of them, whose tokens alone are sorted. Flat rows, whose
+ * nucleus spans thousands of tokens, otherwise rank most of the vocabulary.
  *
  * Only the tokens of weight >= floor = (1 - top_p) * total / (2 * cols) are bucketed: the others
  * hold at most half of the 1 - top_p of the mass the nucleus leaves out, so its last token is
@@ -493,29 +491,6 @@ static void free_scratch(nucleus_scratch_t *scratch)
     free(scratch->column);
     free(scratch->weight);
     free(scratch->tied);
-}
-
-/* Returns 0, or 1 where a thread's scratch could not be allocated (its rows are then unset). */
-int duoserve_nucleus(const float *scores, int64_t rows, int64_t cols, const float *top_p, float *cut, float *weights,
-                     int num_threads)
-{
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
-    {
-        nucleus_scratch_t scratch;
-        failed = !alloc_scratch(&scratch, cols);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (failed) continue;
-            const float *s = scores + r * cols;
-            float *w = weights + r * cols;
-            const double total = row_weights(s, cols, 1.0f, w);
-            const float kept = cut[r] = row_nucleus_cut(s, w, cols, top_p[r], total, -INFINITY, &scratch);
-            for (int64_t c = 0; c < cols; c++) w[c] = s[c] >= kept ? w[c] : 0.0f;
-        }
-        free_scratch(&scratch);
-    }
-    return failed;
 }
 
 /*
