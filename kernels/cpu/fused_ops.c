@@ -322,7 +322,7 @@ void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *
  * Top-p's cut is the score of the last token a row's nucleus keeps: the smallest set of its best
  * tokens that holds top_p of its mass (a token is kept when the tokens strictly better than it
  * hold less than top_p; every token tied with the last kept one is kept too). A row's weights
- * exp(score - best) are bucketed by their float32 bits' top 16 (sign, exponent and 7 bits of
+ * exp((score - best) / temperature) are bucketed by their float32 bits' top 16 (sign, exponent and 7 bits of
  * mantissa: buckets under 1% wide, in the weights' order), each bucket's mass summed; the buckets
  * from the top hold the nucleus up to one of them, whose tokens alone are sorted. Flat rows, whose
  * nucleus spans thousands of tokens, otherwise rank most of the vocabulary.
@@ -340,14 +340,40 @@ typedef struct {
     float score, weight;
 } scored_t;
 
-/* Each thread's scratch: the buckets' masses, and room for a row's candidates (their columns
- * and weights) and for one bucket's tokens. */
+#define DRAW_BLOCK 1024 /* tokens per block of a draw's running total */
+
+/* Each thread's scratch for draws: a row's weights; for top-k and top-p, the buckets' masses (or
+ * counts) and room for the row's candidates (their columns and weights) and for one bucket's
+ * tokens; the kept mass of each of the row's blocks. */
 typedef struct {
+    float *w;
     double *mass;
     int32_t *column;
     float *weight;
     scored_t *tied;
-} nucleus_scratch_t;
+    double *block_mass;
+} draw_scratch_t;
+
+static int alloc_scratch(draw_scratch_t *scratch, int64_t cols)
+{
+    scratch->w = malloc((size_t)cols * sizeof(float));
+    scratch->mass = malloc(WEIGHT_BUCKETS * sizeof(double));
+    scratch->column = malloc((size_t)cols * sizeof(int32_t));
+    scratch->weight = malloc((size_t)cols * sizeof(float));
+    scratch->tied = malloc((size_t)cols * sizeof(scored_t));
+    scratch->block_mass = malloc((size_t)((cols + DRAW_BLOCK - 1) / DRAW_BLOCK) * sizeof(double));
+    return scratch->w && scratch->mass && scratch->column && scratch->weight && scratch->tied && scratch->block_mass;
+}
+
+static void free_scratch(draw_scratch_t *scratch)
+{
+    free(scratch->w);
+    free(scratch->mass);
+    free(scratch->column);
+    free(scratch->weight);
+    free(scratch->tied);
+    free(scratch->block_mass);
+}
 
 static int by_score_descending(const void *a, const void *b)
 {
@@ -377,10 +403,19 @@ static float row_max(const float *s, int64_t cols)
     return best;
 }
 
+/* The first of the row's largest entries. */
+static int64_t first_best(const float *x, int64_t cols)
+{
+    const float best = row_max(x, cols);
+    int64_t c = 0;
+    while (c + 1 < cols && x[c] != best) c++;
+    return c;
+}
+
 /* The columns of the row's tokens of weight >= floor and score >= least, and their weights, in
  * column order, into the scratch; returns how many. */
 static int64_t gather_candidates(const float *s, const float *w, int64_t cols, float floor, float least,
-                                 nucleus_scratch_t *scratch)
+                                 draw_scratch_t *scratch)
 {
     int32_t *column = scratch->column;
     float *weight = scratch->weight;
@@ -408,7 +443,7 @@ static int64_t gather_candidates(const float *s, const float *w, int64_t cols, f
 }
 
 /* The scratch's n candidates narrowed, in place and in order, to those in bucket b; returns how many. */
-static int64_t keep_bucket(nucleus_scratch_t *scratch, int64_t n, uint32_t b)
+static int64_t keep_bucket(draw_scratch_t *scratch, int64_t n, uint32_t b)
 {
     int32_t *column = scratch->column;
     float *weight = scratch->weight;
@@ -450,7 +485,7 @@ static double row_weights(const float *s, int64_t cols, float scale, float *w)
 /* The row's cut among its tokens of score >= least (-INFINITY for all of them), from its weights
  * w and those tokens' total weight. */
 static float row_nucleus_cut(const float *s, const float *w, int64_t cols, float top_p, double total, float least,
-                             nucleus_scratch_t *scratch)
+                             draw_scratch_t *scratch)
 {
     const float floor = (float)((1.0 - top_p) * total / (2.0 * (double)cols));
     const int64_t n = gather_candidates(s, w, cols, floor, least, scratch);
@@ -476,23 +511,6 @@ static float row_nucleus_cut(const float *s, const float *w, int64_t cols, float
     return cut;
 }
 
-static int alloc_scratch(nucleus_scratch_t *scratch, int64_t cols)
-{
-    scratch->mass = malloc(WEIGHT_BUCKETS * sizeof(double));
-    scratch->column = malloc((size_t)cols * sizeof(int32_t));
-    scratch->weight = malloc((size_t)cols * sizeof(float));
-    scratch->tied = malloc((size_t)cols * sizeof(scored_t));
-    return scratch->mass && scratch->column && scratch->weight && scratch->tied;
-}
-
-static void free_scratch(nucleus_scratch_t *scratch)
-{
-    free(scratch->mass);
-    free(scratch->column);
-    free(scratch->weight);
-    free(scratch->tied);
-}
-
 /*
  * The score of the row's k-th best token (0 < k < cols; w its weights): its top k are the tokens
  * of score >= it, every token tied with the k-th kept too. The candidates are the tokens of weight
@@ -501,7 +519,7 @@ static void free_scratch(nucleus_scratch_t *scratch)
  * to 2.2 gathers a row on average, of a few hundred to a few thousand candidates); their buckets
  * are counted from the top down to the one that holds the k-th, whose tokens alone are sorted.
  */
-static float row_top_k_cut(const float *s, const float *w, int64_t cols, int64_t k, nucleus_scratch_t *scratch)
+static float row_top_k_cut(const float *s, const float *w, int64_t cols, int64_t k, draw_scratch_t *scratch)
 {
     float floor = 1.0f / 4096.0f;
     int64_t n = gather_candidates(s, w, cols, floor, -INFINITY, scratch);
@@ -546,39 +564,6 @@ static double mass_at_least(const float *s, const float *w, int64_t cols, float 
  * Where rounding lets the target pass the last kept token of its block, that token is taken; where
  * it passes the row's whole total, the row's best token.
  */
-#define DRAW_BLOCK 1024
-
-/* Each thread's scratch for draws: a row's weights, its blocks' kept masses. */
-typedef struct {
-    nucleus_scratch_t nucleus;
-    float *w;
-    double *block_mass;
-} draw_scratch_t;
-
-static int alloc_draw_scratch(draw_scratch_t *scratch, int64_t cols)
-{
-    const int ok = alloc_scratch(&scratch->nucleus, cols);
-    scratch->w = malloc((size_t)cols * sizeof(float));
-    scratch->block_mass = malloc((size_t)((cols + DRAW_BLOCK - 1) / DRAW_BLOCK) * sizeof(double));
-    return ok && scratch->w && scratch->block_mass;
-}
-
-static void free_draw_scratch(draw_scratch_t *scratch)
-{
-    free_scratch(&scratch->nucleus);
-    free(scratch->w);
-    free(scratch->block_mass);
-}
-
-/* The first of the row's largest entries. */
-static int64_t first_best(const float *x, int64_t cols)
-{
-    const float best = row_max(x, cols);
-    int64_t c = 0;
-    while (c + 1 < cols && x[c] != best) c++;
-    return c;
-}
-
 static int64_t row_draw(const float *s, int64_t cols, float temperature, int64_t top_k, float top_p, float min_p,
                         float uniform, draw_scratch_t *scratch)
 {
@@ -586,11 +571,11 @@ static int64_t row_draw(const float *s, int64_t cols, float temperature, int64_t
     double total = row_weights(s, cols, 1.0f / temperature, w);
     float cut = -INFINITY; /* the least score kept */
     if (top_k > 0 && top_k < cols) {
-        cut = row_top_k_cut(s, w, cols, top_k, &scratch->nucleus);
+        cut = row_top_k_cut(s, w, cols, top_k, scratch);
         total = mass_at_least(s, w, cols, cut);
     }
     if (top_p < 1.0f) {
-        const float nucleus = row_nucleus_cut(s, w, cols, top_p, total, cut, &scratch->nucleus);
+        const float nucleus = row_nucleus_cut(s, w, cols, top_p, total, cut, scratch);
         cut = nucleus > cut ? nucleus : cut;
     }
     const int64_t blocks = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
@@ -627,14 +612,14 @@ int duoserve_draw(const float *scores, int64_t rows, int64_t cols, const float *
 #pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
     {
         draw_scratch_t scratch;
-        failed = !alloc_draw_scratch(&scratch, cols);
+        failed = !alloc_scratch(&scratch, cols);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (failed) continue;
             token[r] = row_draw(scores + r * cols, cols, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
                                 &scratch);
         }
-        free_draw_scratch(&scratch);
+        free_scratch(&scratch);
     }
     return failed;
 }
