@@ -137,7 +137,15 @@ def launched_server(
             process.wait()
 
 
-WORKER_COUNTERS = ("busy", "wait", "staging", "exposed_staging", "exposed_staging_full", "decode_busy")
+WORKER_COUNTERS = (
+    "busy",
+    "sampling",
+    "wait",
+    "staging",
+    "exposed_staging",
+    "exposed_staging_full",
+    "decode_busy",
+)
 
 
 WORKER_STEP_COUNTERS = ("steps", "forecast_steps", "decode_steps")
@@ -168,7 +176,9 @@ def print_worker_split(before: dict[str, float], after: dict[str, float]) -> dic
         idle = delta["wait"] / max(delta["wait"] + delta["busy"], 1e-9)
         exposed = delta.get("exposed_staging", 0.0) / max(delta.get("staging", 0.0), 1e-9)
         print(
-            f"#   worker: busy {delta['busy']:.2f} s, waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
+            f"#   worker: busy {delta['busy']:.2f} s"
+            + (f" (sampling {delta['sampling']:.2f} s of it)" if "sampling" in delta else "")
+            + f", waited {delta['wait']:.2f} s (idle ratio {idle:.1%}), "
             f"staging {delta.get('staging', 0.0):.2f} s of which exposed {exposed:.1%}"
             + (
                 f" ({delta['exposed_staging_full']:.3f} s of it in steps staged in full)"

@@ -306,6 +306,7 @@ class StepPipeline:
                         "duoserve.step.staging_seconds": result.staging_seconds,
                         "duoserve.step.exposed_staging_seconds": result.exposed_staging_seconds,
                         "duoserve.step.compute_seconds": result.compute_seconds,
+                        "duoserve.step.sampling_seconds": result.sampling_seconds,
                         "duoserve.step.wait_seconds": result.wait_seconds,
                     }
                 )

@@ -87,6 +87,7 @@ class PendingStep:
     sampled: list[SeqState] = field(default_factory=list)
     output: SamplerOutput | None = None  # sampled on the host already
     tokens: torch.Tensor | None = None  # pinned host tensor the sampled tokens are being copied into
+    sampling: torch.cuda.Event | None = None  # recorded on the step's stream before the sampler
     sampled_tokens: np.ndarray | None = None  # StagedStep.sampled_tokens, filled with the tokens
     started: torch.cuda.Event | None = None  # on the compute stream, before the step's work
     done: torch.cuda.Event | None = None  # after the step's work and the copy back
@@ -345,18 +346,40 @@ class ModelRunner:
                 SamplingRow(s.sampling, s.token_ids[: s.prompt_len], s.token_ids[s.prompt_len :])
                 for s in staged.sampled
             ]
-            if rows and stream is not None and all(row.params.logprobs is None for row in rows):
-                chosen = self.sampler.choose(logits, rows)
-                pending.tokens = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-                pending.tokens.copy_(chosen, non_blocking=True)
-            elif rows:
-                pending.output = self.sampler.sample(logits, rows)
+            if rows:
+                self._sample(pending, logits, rows, stream)
             if stream is not None:
                 # Also when nothing was sampled: the step's K/V must be written before its result
                 # lets the scheduler send the sequence's next chunk, perhaps to another stream.
                 pending.done = torch.cuda.Event(enable_timing=True)
                 pending.done.record(stream)
         return pending
+
+    def _sample(
+        self,
+        pending: PendingStep,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """Sample the step's rows into `pending` and time the sampler: on a GPU's stream from an
+        event recorded here to the step's last (see finish), elsewhere in wall time (a GPU without
+        streams is waited for first: sample() waits for it anyway)."""
+        if stream is not None:
+            pending.sampling = torch.cuda.Event(enable_timing=True)
+            pending.sampling.record(stream)
+            if all(row.params.logprobs is None for row in rows):  # no host read: the copy back is queued
+                chosen = self.sampler.choose(logits, rows)
+                pending.tokens = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+                pending.tokens.copy_(chosen, non_blocking=True)
+            else:
+                pending.output = self.sampler.sample(logits, rows)
+            return
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        pending.output = self.sampler.sample(logits, rows)
+        pending.result.sampling_seconds = time.perf_counter() - started
 
     def _forward(
         self,
@@ -380,6 +403,8 @@ class ModelRunner:
             pending.done.synchronize()
             assert pending.started is not None
             result.compute_seconds = pending.started.elapsed_time(pending.done) / 1e3
+            if pending.sampling is not None:
+                result.sampling_seconds = pending.sampling.elapsed_time(pending.done) / 1e3
         if not pending.sampled:
             return result
         if pending.output is not None:

@@ -180,7 +180,7 @@ class SequenceLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "lane", "seq_ids", "token_ids", "logprobs", "staging_seconds", "exposed_staging_seconds", "compute_seconds", "wait_seconds", "forecast")
+    __slots__ = ("step_id", "lane", "seq_ids", "token_ids", "logprobs", "staging_seconds", "exposed_staging_seconds", "compute_seconds", "wait_seconds", "forecast", "sampling_seconds")
     class LogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class StepResult(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FORECAST_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     lane: int
     seq_ids: bytes
@@ -208,7 +209,8 @@ class StepResult(_message.Message):
     compute_seconds: float
     wait_seconds: float
     forecast: bool
-    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Mapping[int, SequenceLogprobs]] = ..., staging_seconds: _Optional[float] = ..., exposed_staging_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., forecast: _Optional[bool] = ...) -> None: ...
+    sampling_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., lane: _Optional[int] = ..., seq_ids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[_Mapping[int, SequenceLogprobs]] = ..., staging_seconds: _Optional[float] = ..., exposed_staging_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., forecast: _Optional[bool] = ..., sampling_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerError(_message.Message):
     __slots__ = ("step_id", "message")

@@ -50,6 +50,7 @@ class WorkerTimes:
     """Seconds the worker reported across all steps (see StepResult), and over a recent window."""
 
     busy: float = 0.0  # forward + sampling
+    sampling: float = 0.0  # of busy, the sampler's
     wait: float = 0.0  # idle while sequences were in flight
     staging: float = 0.0
     exposed_staging: float = 0.0
@@ -64,6 +65,7 @@ class WorkerTimes:
     def add(self, result: worker_pb2.StepResult, decode: bool = False) -> None:
         """Count one step's result; `decode`: every sequence in the step computed one token."""
         self.busy += result.compute_seconds
+        self.sampling += result.sampling_seconds
         if decode:
             self.decode_busy += result.compute_seconds
             self.decode_steps += 1

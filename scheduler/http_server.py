@@ -58,6 +58,11 @@ class EngineCollector(Collector):
         worker = (
             CounterMetricFamily("duoserve_worker_busy_seconds", "Worker compute time", value=times.busy),
             CounterMetricFamily(
+                "duoserve_worker_sampling_seconds",
+                "Of the worker's compute time, the sampler's (temperature, filters, draws, logprobs)",
+                value=times.sampling,
+            ),
+            CounterMetricFamily(
                 "duoserve_worker_wait_seconds", "Worker idle time while work was in flight", value=times.wait
             ),
             CounterMetricFamily(

@@ -276,6 +276,8 @@ def test_one_thread_cuda_sbo_serves_two_lanes_as_the_plain_runner_would(
     assert tokens == expected
     assert graphs.replays == 24  # every decode step of both lanes
     assert all(r.compute_seconds > 0 for r in results)  # GPU time from the step's events
+    # The sampler's, from an event between the forward and the sampler to the step's last.
+    assert all(0 < r.sampling_seconds <= r.compute_seconds for r in results if r.seq_ids)
     exposed = [r for r in results if r.exposed_staging_seconds > 0]
     torch.cuda.synchronize()
     assert len(exposed) <= 2, (

@@ -145,6 +145,7 @@ def test_the_pipeline_serves_a_lane_that_keeps_two_steps_in_flight(
     with pipeline_thread(lambda socket: StepPipeline(socket, runner, sbo=sbo)) as scheduler_side:
         tokens, results = drive_with_lookahead(scheduler_side, decodes=12)
     assert tokens == expected and len(results) == 13
+    assert all(0 < r.sampling_seconds < r.compute_seconds for r in results)  # every step sampled
     decodes = sorted(results, key=lambda r: r.step_id)[1:]
     if sbo:
         assert all(r.forecast for r in decodes)

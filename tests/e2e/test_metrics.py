@@ -27,6 +27,7 @@ NAMED = [
     "duoserve_worker_idle_ratio",
     "duoserve_worker_busy_seconds_total",
     "duoserve_worker_wait_seconds_total",
+    "duoserve_worker_sampling_seconds_total",
     "duoserve_worker_forecast_steps_total",
     "duoserve_worker_decode_steps_total",
     "duoserve_worker_decode_busy_seconds_total",
@@ -88,6 +89,8 @@ def test_metrics_move_under_a_short_load_and_settle(smollm_server: ServerProcess
     # 6 requests of 32 tokens: at least 31 decode steps, fewer than all (the prompts took some).
     assert 31 <= grew("duoserve_worker_decode_steps_total") < grew("duoserve_worker_steps_total")
     assert 0 < grew("duoserve_worker_decode_busy_seconds_total") < grew("duoserve_worker_busy_seconds_total")
+    # Every step that ended a prompt or decoded sampled (greedy: an argmax), a small part of its time.
+    assert 0 < grew("duoserve_worker_sampling_seconds_total") < grew("duoserve_worker_busy_seconds_total") / 2
     # The first prompt step arrives at an idle worker and is staged in full, all of it exposed.
     exposed_full = grew("duoserve_worker_exposed_staging_full_seconds_total")
     assert 0 < exposed_full <= grew("duoserve_worker_exposed_staging_seconds_total")

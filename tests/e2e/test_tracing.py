@@ -165,6 +165,11 @@ def test_one_request_is_one_trace_across_scheduler_and_worker(
         assert (CLIENT_TRACE_ID, step.parent_span_id) in step.links
         assert step.attributes["duoserve.batch.tokens"] >= 1
         assert step.attributes["duoserve.step.compute_seconds"] > 0
+        assert (
+            0
+            < step.attributes["duoserve.step.sampling_seconds"]
+            < step.attributes["duoserve.step.compute_seconds"]
+        )
     prefill_steps = [s for s in steps if s.attributes["duoserve.batch.prefill_tokens"] > 0]
     assert (
         len(prefill_steps) == 1

@@ -142,15 +142,31 @@ def test_a_run_counts_the_prompt_tokens_found_in_the_prefix_cache() -> None:
 def test_the_worker_split_reports_decode_steps_apart_from_steps_with_prompt_tokens(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    before = {"busy": 1.0, "wait": 0.0, "steps": 10.0, "decode_busy": 0.5, "decode_steps": 8.0}
-    after = {"busy": 4.0, "wait": 0.1, "steps": 40.0, "decode_busy": 2.5, "decode_steps": 36.0}
+    before = {
+        "busy": 1.0,
+        "sampling": 0.1,
+        "wait": 0.0,
+        "steps": 10.0,
+        "decode_busy": 0.5,
+        "decode_steps": 8.0,
+    }
+    after = {
+        "busy": 4.0,
+        "sampling": 0.25,
+        "wait": 0.1,
+        "steps": 40.0,
+        "decode_busy": 2.5,
+        "decode_steps": 36.0,
+    }
     delta = servers.print_worker_split(before, after)
     assert delta["decode_steps"] == 28 and delta["decode_busy"] == pytest.approx(2.0)
     # 28 decode steps in 2.0 s; the other 2 steps took the remaining 1.0 s.
     assert servers.step_kinds(delta) == (
         "28 decode (2.00 s, 71.4 ms each), 2 with prompt tokens (1.00 s, 500.0 ms each)"
     )
-    assert "#   worker steps: 28 decode" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "#   worker: busy 3.00 s (sampling 0.15 s of it), waited 0.10 s" in out
+    assert "#   worker steps: 28 decode" in out
     # A server that does not count decode steps: no line, no division by zero.
     assert servers.step_kinds({"busy": 1.0, "steps": 3.0}) == ""
     assert servers.step_kinds({**delta, "decode_steps": 30.0, "decode_busy": 3.0}).endswith(

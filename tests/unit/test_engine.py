@@ -527,9 +527,12 @@ def test_a_unary_caller_gets_every_token_of_a_request_through_the_engine() -> No
 def test_worker_times_count_decode_steps_apart() -> None:
     times = WorkerTimes()
     for decode, seconds in ((False, 0.3), (True, 0.04), (True, 0.05)):
-        times.add(worker_pb2.StepResult(compute_seconds=seconds), decode=decode)
+        times.add(
+            worker_pb2.StepResult(compute_seconds=seconds, sampling_seconds=seconds / 10), decode=decode
+        )
     assert times.steps == 3 and times.decode_steps == 2
     assert times.busy == pytest.approx(0.39) and times.decode_busy == pytest.approx(0.09)
+    assert times.sampling == pytest.approx(0.039)
 
 
 def test_worker_times_split_exposed_staging_by_how_each_step_was_staged() -> None:
