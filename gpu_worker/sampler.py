@@ -36,9 +36,10 @@ from kernels.cpu_build import KernelBuildError
 from kernels.cpu_fused import CpuFusedOps, load_cpu_fused_ops
 
 _MASK64 = (1 << 64) - 1
-# How many ranked tokens a top-p row without top-k takes where the CPU's draw kernel is not to
-# be had (on a GPU, or without a C compiler): the first width, then for the rows whose candidates
-# hold less than top_p of the mass the next, and so on, then the whole vocabulary.
+# How many ranked tokens a top-p row without top-k takes on a CPU without the draw kernel (no C
+# compiler): the first width, then for the rows whose candidates hold less than top_p of the mass
+# the next, and so on, then the whole vocabulary. (A GPU ranks the whole vocabulary at once: one
+# sort, where checking a width would wait for the device.)
 # SmolLM2's next-token logits for 64 chat prompts (bench/sampler.py, 384 rows) held their nucleus
 # within 64 tokens in 99% of rows at temperature 0.7 and top-p 0.9, in 93% at 0.8 and 0.95, in 65%
 # at 1.0 and 0.95 (within 512 in 96%); at 1.3 and 0.99 within 4096 in 69%. On a 2-core CPU,
@@ -111,9 +112,8 @@ class Sampler:
         return SamplerOutput(chosen.tolist(), compute_logprobs(logits, chosen, [r.params for r in rows]))
 
     def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:  # [S] int64
-        """The chosen tokens as a tensor on the logits' device. Nothing waits for the device (so on
-        a GPU the step's tokens can be copied back asynchronously) except a row with top-p and no
-        top-k, whose first guess of candidates is checked on the host (see filtered_weights).
+        """The chosen tokens as a tensor on the logits' device. Nothing waits for the device, so on
+        a GPU the step's tokens can be copied back asynchronously.
 
         Greedy rows without penalties take the argmax of `logits` as they are (float32 holds every
         bfloat16 and float16 value, so converting first would not change it); anything else works
@@ -391,8 +391,9 @@ def _candidates(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [R, K] float32 and int64
     """Each row's best tokens, best first, with exp(score - row max) where top-k and top-p keep
     them and 0 where not (and past the row's own candidates, where its ids are 0). A row with top-k
-    ranks as many as the largest top-k among them; a top-p row without, as many as its mass needs
-    (TOP_P_WIDTHS): that check reads the masses back (a GPU waits for them)."""
+    ranks as many as the largest top-k among them. A top-p row without ranks, on the CPU, as many
+    as its mass needs (TOP_P_WIDTHS, each width's masses read on the host); on a GPU, the whole
+    vocabulary at once, so that nothing waits for the device."""
     vocab = scores.shape[1]
     ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_ps = [p.top_p for p in params]
@@ -407,7 +408,8 @@ def _candidates(
     pending = [i for i, top_k in enumerate(has_top_k) if not top_k]
     if pending:
         full_lse.index_copy_(0, to_device(pending, scores.device), _rows(scores, pending).logsumexp(dim=-1))
-    for width in [w for w in TOP_P_WIDTHS if w < vocab] + [vocab]:
+    widths = [w for w in TOP_P_WIDTHS if w < vocab] if scores.device.type == "cpu" else []
+    for width in [*widths, vocab]:
         if not pending:
             break
         top_scores, top_ids = _rows(scores, pending).topk(width, dim=-1)  # sorted

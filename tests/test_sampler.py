@@ -184,15 +184,17 @@ def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
     return {token for token, prob in kept if prob >= p.min_p * best}
 
 
-@pytest.fixture(params=["draw kernel", "ranked"])
+@pytest.fixture(params=["draw kernel", "ranked", "ranked whole"])
 def top_p_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Sampled rows on the CPU are drawn by the C kernel; without the CPU kernels (or on a GPU), top-k
-    and top-p rows rank their best tokens, a top-p row as many as its mass needs. Tests that take
-    this fixture run both ways."""
-    if request.param == "ranked":
-        monkeypatch.setattr(sampler, "_cpu_bfloat16_ops", lambda: None)
-    else:
+    """Sampled rows on the CPU are drawn by the C kernel; without the CPU kernels, top-k and top-p
+    rows rank their best tokens, a top-p row as many as its mass needs, and on a GPU the whole
+    vocabulary (here: no widths to try). Tests that take this fixture run all three ways."""
+    if request.param == "draw kernel":
         assert sampler._cpu_bfloat16_ops() is not None, "the CPU fused ops did not build here"
+    else:
+        monkeypatch.setattr(sampler, "_cpu_bfloat16_ops", lambda: None)
+    if request.param == "ranked whole":
+        monkeypatch.setattr(sampler, "TOP_P_WIDTHS", ())
     return str(request.param)
 
 
@@ -222,18 +224,20 @@ def test_filtering_matches_full_sort_reference(spread: float, top_p_path: str) -
 def test_penalised_and_filtered_sampling_on_cuda_does_not_wait_for_the_device() -> None:
     """On a GPU, choose() queues its work behind the step's and returns: the runner copies the
     tokens back asynchronously and launches the next step meanwhile. Rows here use every penalty
-    and every filter (top-k with top-p, min-p), with top_k=1 so the tokens are exact; they must
-    equal the CPU's, and choose() must return while matrix multiplies queued before it still run
-    (a host-to-device copy without pinned memory, or a value read back, would wait for them)."""
+    and every filter (top-k with top-p, min-p, top-p alone), with top_k=1 or a top-p that keeps
+    only the best token so the tokens are exact; they must equal the CPU's, and choose() must
+    return while matrix multiplies queued before it still run (a host-to-device copy without pinned
+    memory, or a value read back, would wait for them)."""
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(4, 3000, generator=gen)
+    logits = torch.randn(5, 3000, generator=gen)
     history = [int(i) for i in torch.randint(0, 3000, (40,), generator=gen)]
     params = [
         SamplingParams(repetition_penalty=1.3),
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.4),
         SamplingParams(temperature=0.7, top_k=1, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=3),
         SamplingParams(temperature=1.5, top_k=1, frequency_penalty=1.0),
+        SamplingParams(temperature=0.9, top_p=1e-6, seed=5),  # the best token holds more: it alone is kept
     ]
     rows = [SamplingRow(p, prompt_token_ids=history[:20], output_token_ids=history[20:]) for p in params]
     expected = Sampler(seed=0).choose(logits, rows)
