@@ -476,21 +476,25 @@ def _top_k_top_p_keep(
 def compute_logprobs(
     logits: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[TokenLogprobs | None]:
-    """log_softmax of the raw logits: the chosen token's value and, when asked, the top n."""
+    """log_softmax of the raw logits: the chosen token's value and, when asked, the top n.
+    bfloat16 logits on the CPU go to the C kernel (CpuFusedOps.logprobs), which reads each row in
+    place instead of writing its log_softmax out: for 64 rows of SmolLM2's logits with the top 5,
+    1.8 ms against torch's 6.0 on a 2-core CPU. Its ties in the top n come in token-id order."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprobs | None] = [None] * len(params)
     if not wanted:
-        return out
+        return [None] * len(params)
     index = to_device(wanted, logits.device)
-    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, V] float32
-    chosen_lp = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
-    top_n = max(params[i].logprobs or 0 for i in wanted)
-    top_lp: list[list[float]] = [[] for _ in wanted]
-    top_ids: list[list[int]] = [[] for _ in wanted]
-    if top_n > 0:
-        values, ids = logprobs.topk(min(top_n, logits.shape[1]), dim=-1)
-        top_lp, top_ids = values.tolist(), ids.tolist()
+    top_n = min(max(params[i].logprobs or 0 for i in wanted), logits.shape[1])
+    ops = _cpu_bfloat16_ops() if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 else None
+    if ops is not None:
+        chosen_lp, values, ids = ops.logprobs(_rows(logits, wanted).contiguous(), chosen[index], top_n)
+    else:
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, V] float32
+        chosen_lp = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0]
+        values, ids = logprobs.topk(top_n, dim=-1) if top_n > 0 else (logprobs[:, :0], index[:, None][:, :0])
+    chosen_values, top_lp, top_ids = chosen_lp.tolist(), values.tolist(), ids.tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
     for j, i in enumerate(wanted):
         n = params[i].logprobs or 0
-        out[i] = TokenLogprobs(chosen_lp[j], top_ids[j][:n], top_lp[j][:n])
+        out[i] = TokenLogprobs(chosen_values[j], top_ids[j][:n], top_lp[j][:n])
     return out

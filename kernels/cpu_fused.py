@@ -37,6 +37,7 @@ _SIGNATURES = {
     "duoserve_write_kv_int8": [_P, _I, _P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _INT],
     "duoserve_dequantize_kv_int8": [_P, _P, _P, _I, _I, _I, _I, _P, _INT],
     "duoserve_argmax_rows": [_P, _I, _I, _P, _INT],
+    "duoserve_logprobs": [_P, _I, _I, _P, _I, _P, _P, _P, _INT],
     "duoserve_draw": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _INT],
 }
 
@@ -136,6 +137,35 @@ class CpuFusedOps:
             x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
         )
         return out
+
+    def logprobs(
+        self, x: torch.Tensor, chosen: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [R] float32, [R, n] float32, [R, n] int64
+        """log_softmax of each row of `x` (float32 results, the sum taken in float64) at its `chosen`
+        token, and its `n` best tokens' (best first, ties in token-id order) with their ids, without
+        writing the row's log-probabilities out. `x`: [R, C] contiguous logits of this build's
+        dtype; 0 <= n <= C."""
+        self._require_matrix(x, "x")
+        require(x.shape[1] > 0 and x.is_contiguous(), "x", x, "contiguous rows of at least one column")
+        _require_tensor(chosen, "chosen", dims=1, dtypes=(torch.int64,))
+        require(chosen.shape[0] == x.shape[0], "chosen", chosen, f"{x.shape[0]} entries")
+        if not 0 <= n <= x.shape[1]:
+            raise ValueError(f"n: expected 0 to {x.shape[1]}, got {n}")
+        chosen_lp = torch.empty(x.shape[0], dtype=torch.float32)
+        top_lp = torch.empty(x.shape[0], n, dtype=torch.float32)
+        top_ids = torch.empty(x.shape[0], n, dtype=torch.int64)
+        self._lib.duoserve_logprobs(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            chosen.data_ptr(),
+            n,
+            chosen_lp.data_ptr(),
+            top_lp.data_ptr(),
+            top_ids.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return chosen_lp, top_lp, top_ids
 
     def draw(
         self,

@@ -161,6 +161,26 @@ def _nucleus_reference(row: torch.Tensor, top_p: float) -> float:
     return cut
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 3001])  # around the 16-value groups
+def test_logprobs_are_log_softmax_with_the_best_n_in_order(dtype: torch.dtype, cols: int) -> None:
+    """The chosen token's log-probability and the n best, against float64; values repeat (ties
+    come in token-id order) and the row's best is anywhere, first and last included."""
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(4, cols, generator=gen) * 3).round(decimals=1).to(dtype)  # many ties
+    x[1, 0], x[2, -1] = 20.0, 20.0
+    chosen = torch.randint(0, cols, (4,), generator=gen)
+    for n in sorted({0, 1, min(5, cols), cols}):
+        chosen_lp, top_lp, top_ids = ops_for(dtype).logprobs(x, chosen, n)
+        exact = torch.log_softmax(x.double(), dim=-1)
+        torch.testing.assert_close(
+            chosen_lp.double(), exact.gather(1, chosen[:, None])[:, 0], atol=1e-6, rtol=0
+        )
+        order = torch.sort(-x.float(), dim=-1, stable=True).indices[:, :n]  # by value, then token id
+        assert torch.equal(top_ids, order)
+        torch.testing.assert_close(top_lp.double(), exact.gather(1, order), atol=1e-6, rtol=1e-7)
+
+
 LAST = 1.0 - 2.0**-24  # the largest uniform below 1: a draw then takes the last token kept
 
 
@@ -290,6 +310,10 @@ def test_launchers_reject_what_the_kernels_cannot_take() -> None:
         ops.argmax(torch.zeros(4, 6, dtype=torch.bfloat16).t())  # columns apart, not contiguous rows
     with pytest.raises(ValueError, match="x"):
         ops.argmax(torch.zeros(4, 0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^chosen: "):
+        ops.logprobs(torch.zeros(2, 6, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match=r"^n: "):
+        ops.logprobs(torch.zeros(2, 6, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int64), 7)
     row, k = torch.ones(2), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"^scores: "):
         ops.draw(torch.zeros(2, 6, dtype=torch.bfloat16), row, k, row, row, row)  # logits, not float32 scores

@@ -35,11 +35,13 @@ def test_greedy_is_argmax_of_raw_logits() -> None:
 def test_logits_in_the_models_dtype_sample_as_their_float32_copy(dtype: torch.dtype) -> None:
     """The model hands the sampler its head's dtype: greedy rows take the argmax of those logits
     as they are; penalties, draws and logprobs work on float32 copies. Every path gives what the
-    float32 logits (the same values) give."""
+    float32 logits (the same values) give: the same tokens, and logprobs to float32's rounding
+    (bfloat16 logits' go to the C kernel, which sums in float64)."""
     gen = torch.Generator().manual_seed(7)
     logits = (torch.randn(5, 4099, generator=gen) * 3).to(dtype)
     logits[1, 100:140] = logits[1].max()  # a tie: the first index wins
     wide = logits.float()
+    log_softmax = torch.log_softmax(wide, dim=-1)
     history = list(range(0, 4000, 7))
     batches = [
         [SamplingParams()] * 5,  # all greedy: the direct argmax
@@ -51,7 +53,18 @@ def test_logits_in_the_models_dtype_sample_as_their_float32_copy(dtype: torch.dt
         rows = [SamplingRow(p, [1, 2], history) for p in params]
         ours, reference = Sampler(seed=1).sample(logits, rows), Sampler(seed=1).sample(wide, rows)
         assert ours.token_ids == reference.token_ids
-        assert ours.logprobs == reference.logprobs
+        for row, (mine, theirs) in enumerate(zip(ours.logprobs, reference.logprobs, strict=True)):
+            assert (mine is None) == (theirs is None)
+            if mine is not None and theirs is not None:
+                values = [mine.logprob, *mine.top_logprobs]
+                torch.testing.assert_close(
+                    values, [theirs.logprob, *theirs.top_logprobs], rtol=1e-6, atol=1e-6
+                )
+                # Tied tokens (bfloat16 logits tie often) may come in another order, or another of
+                # them (the kernel takes them by token id): each token carries its own value.
+                assert len(set(mine.top_token_ids)) == len(mine.top_token_ids)
+                tops = log_softmax[row, mine.top_token_ids].tolist()
+                torch.testing.assert_close(mine.top_logprobs, tops, rtol=1e-6, atol=1e-6)
     assert Sampler().sample(logits, _rows([SamplingParams()] * 5)).token_ids[1] == 100
 
 
@@ -166,6 +179,25 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
     values, ids = reference[1].topk(4)
     assert second.top_token_ids == ids.tolist()
     torch.testing.assert_close(torch.tensor(second.top_logprobs), values)
+
+
+def test_bfloat16_logprobs_on_the_cpu_match_torchs() -> None:
+    """bfloat16 logits take the C kernel: the same values as torch's float32 log_softmax to its
+    rounding, the same top tokens (these rows have no ties among their best)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(6, 4000, generator=gen) * 4).to(torch.bfloat16)
+    logits[:, :8] = torch.arange(30, 22, -1, dtype=torch.bfloat16)  # distinct best tokens
+    params = [SamplingParams(temperature=0.7, logprobs=n, seed=n) for n in (0, 1, 3, 8, 5, 2)]
+    rows = [SamplingRow(p, [0, 1, 2], []) for p in params]
+    out = Sampler().sample(logits, rows)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for i, entry in enumerate(out.logprobs):
+        assert entry is not None
+        n = params[i].logprobs or 0
+        assert math.isclose(entry.logprob, reference[i, out.token_ids[i]].item(), abs_tol=1e-4)
+        values, ids = reference[i].topk(n)
+        assert entry.top_token_ids == ids.tolist() == list(range(n))
+        torch.testing.assert_close(torch.tensor(entry.top_logprobs), values, atol=1e-4, rtol=0)
 
 
 def _reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:

@@ -317,6 +317,60 @@ void duoserve_argmax_rows(const elem_t *x, int64_t rows, int64_t cols, int64_t *
 }
 
 /*
+ * Log-probabilities of the raw logits without writing the row's out: chosen_lp[r] = (x - best) -
+ * log(sum of exp(x - best)) at x[r][chosen[r]], the sum in float64 (closer to the exact value than
+ * torch's float32 log_softmax: on SmolLM2's logits 1e-7 from float64 against its 1e-5), and the
+ * row's n best tokens (n >= 0; by value, ties in token-id order) with theirs. The best n are kept
+ * in a small sorted list; 16 values at a time are first compared with its last, which after the
+ * first few hundred tokens lets almost every group by.
+ */
+static void row_logprobs(const elem_t *x, int64_t cols, int64_t chosen, int64_t n, float *chosen_lp, float *top_lp,
+                         int64_t *top_ids)
+{
+    float lane[16];
+    for (int j = 0; j < 16; j++) lane[j] = load(x[0]);
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16)
+        for (int j = 0; j < 16; j++) lane[j] = load(x[c + j]) > lane[j] ? load(x[c + j]) : lane[j];
+    float best = lane[0];
+    for (int j = 1; j < 16; j++) best = lane[j] > best ? lane[j] : best;
+    for (; c < cols; c++) best = load(x[c]) > best ? load(x[c]) : best;
+    double sum = 0.0;
+    for (c = 0; c < cols; c++) sum += exp_nonpositive(load(x[c]) - best);
+    const float log_sum = (float)log(sum); /* log_softmax = (x - best) - log_sum, as torch's */
+    *chosen_lp = (load(x[chosen]) - best) - log_sum;
+    int64_t have = 0;
+    for (int64_t c0 = 0; c0 < cols && n > 0; c0 += 16) {
+        const int64_t end = c0 + 16 < cols ? c0 + 16 : cols;
+        if (have == n) {
+            int any = 0;
+            for (int64_t i = c0; i < end; i++) any |= load(x[i]) > top_lp[n - 1];
+            if (!any) continue;
+        }
+        for (int64_t i = c0; i < end; i++) {
+            const float v = load(x[i]);
+            if (v != v || (have == n && !(v > top_lp[n - 1]))) continue; /* NaN, or not among the n */
+            int64_t j = have < n ? have++ : n - 1; /* it enters at the end, and moves up past smaller */
+            for (; j > 0 && top_lp[j - 1] < v; j--) {
+                top_lp[j] = top_lp[j - 1];
+                top_ids[j] = top_ids[j - 1];
+            }
+            top_lp[j] = v;
+            top_ids[j] = i;
+        }
+    }
+    for (int64_t j = 0; j < n; j++) top_lp[j] = (top_lp[j] - best) - log_sum;
+}
+
+void duoserve_logprobs(const elem_t *x, int64_t rows, int64_t cols, const int64_t *chosen, int64_t n,
+                       float *chosen_lp, float *top_lp, int64_t *top_ids, int num_threads)
+{
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++)
+        row_logprobs(x + r * cols, cols, chosen[r], n, chosen_lp + r, top_lp + r * n, top_ids + r * n);
+}
+
+/*
  * Sampling's filters without sorting a row (duoserve_draw, below, uses them).
  *
  * Top-p's cut is the score of the last token a row's nucleus keeps: the smallest set of its best
