@@ -5,11 +5,11 @@
 
 The logits are SmolLM2-135M-Instruct's (transformers, bfloat16, the default GGUF) for 64 chat
 prompts at a few positions of a greedy continuation: what a decode step of 64 sequences hands the
-sampler. For each sampling setting the two revisions' `Sampler.choose` are timed in turns (ms per
-step, best of --rounds rounds over every position), and every row is drawn with a seed of its own
-by both, so the share of identical tokens says whether the draws still invert the same
-distributions. A second table gives how many of the best tokens hold each top-p nucleus, which is
-how gpu_worker/sampler.py's TOP_P_WIDTHS were chosen.
+sampler. For each sampling setting (logprobs asked for in two of them) the two revisions'
+`Sampler.sample` are timed in turns (ms per step, best of --rounds rounds over every position), and
+every row is drawn with a seed of its own by both, so the share of identical tokens says whether
+the draws still invert the same distributions. A second table gives how many of the best tokens
+hold each top-p nucleus, which is how gpu_worker/sampler.py's TOP_P_WIDTHS were chosen.
 
 gpu_worker/sampler.py is taken from --rev, and so are the CPU kernels it calls (kernels/cpu_fused.py
 and the kernels/cpu/fused_ops.c it builds); the rest of what they import comes from this checkout.
@@ -48,6 +48,8 @@ SETTINGS = [
     {"temperature": 0.8, "min_p": 0.05},
     {"temperature": 1.0, "top_p": 0.95, "min_p": 0.02},
     {"temperature": 1.3, "top_p": 0.99},
+    {"temperature": 0.8, "logprobs": 0},
+    {"temperature": 0.8, "top_p": 0.95, "logprobs": 5},
 ]
 NUCLEI = [(0.7, 0.9), (0.8, 0.95), (1.0, 0.9), (1.0, 0.95), (1.0, 0.99), (1.3, 0.99)]  # temperature, top_p
 TOPICS = ["the moon", "a forest", "prime numbers", "rain", "cats", "the sea", "a city at night", "bread"]
@@ -122,8 +124,9 @@ def synthetic_logits(positions: int, vocab: int = 49152) -> torch.Tensor:  # [po
     return torch.stack(rows).view(positions, ROWS, vocab).to(torch.bfloat16)
 
 
-def time_choose(module: ModuleType, logits: torch.Tensor, setting: dict[str, Any]) -> float:
-    """ms per step: `choose` over every position once, 256 prompt and 50 output tokens a row."""
+def time_sample(module: ModuleType, logits: torch.Tensor, setting: dict[str, Any]) -> float:
+    """ms per step: `sample` (the tokens, and the logprobs asked for: what the CPU worker calls)
+    over every position once, 256 prompt and 50 output tokens a row."""
     rows = [
         module.SamplingRow(module.SamplingParams(**setting), list(range(256)), list(range(50)))
         for _ in range(logits.shape[1])
@@ -131,7 +134,7 @@ def time_choose(module: ModuleType, logits: torch.Tensor, setting: dict[str, Any
     sampler = module.Sampler(0)
     started = time.perf_counter()
     for step in logits:
-        sampler.choose(step, rows)
+        sampler.sample(step, rows)
     return (time.perf_counter() - started) / logits.shape[0] * 1000
 
 
@@ -182,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for setting in SETTINGS:
             times: dict[str, list[float]] = {"theirs": [], "here": []}
             for module in (theirs, here):  # warm-up: first calls build kernels and generators
-                time_choose(module, logits[:1], setting)
+                time_sample(module, logits[:1], setting)
             for _ in range(args.rounds):
-                times["theirs"].append(time_choose(theirs, logits, setting))
-                times["here"].append(time_choose(here, logits, setting))
+                times["theirs"].append(time_sample(theirs, logits, setting))
+                times["here"].append(time_sample(here, logits, setting))
             old, new = min(times["theirs"]), min(times["here"])
             a, b = seeded_tokens(theirs, logits, setting), seeded_tokens(here, logits, setting)
             same = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
