@@ -247,14 +247,20 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] → [R]
     """Each row's first largest entry. bfloat16 rows on the CPU go to the C kernel, which reads
     them once in place (~5x faster than converting them and taking torch's max); otherwise torch's
     max, which has the same first-index tie rule as argmax and is several times faster on the CPU."""
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[1] > 0:
-        ops = _cpu_bfloat16_ops()
-        if ops is not None:
-            return ops.argmax(x.contiguous())
+    ops = _ops_reading(x)
+    if ops is not None:
+        return ops.argmax(x.contiguous())
     return x.max(dim=-1).indices
 
 
 _cpu_ops: list[CpuFusedOps | None] = []  # empty until first asked for
+
+
+def _ops_reading(x: torch.Tensor) -> CpuFusedOps | None:
+    """The CPU fused ops where they can read `x` in place (bfloat16 rows on the CPU), else None."""
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] > 0:
+        return _cpu_bfloat16_ops()
+    return None
 
 
 def _cpu_bfloat16_ops() -> CpuFusedOps | None:
@@ -485,13 +491,15 @@ def compute_logprobs(
         return [None] * len(params)
     index = to_device(wanted, logits.device)
     top_n = min(max(params[i].logprobs or 0 for i in wanted), logits.shape[1])
-    ops = _cpu_bfloat16_ops() if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 else None
+    ops = _ops_reading(logits)
     if ops is not None:
         chosen_lp, values, ids = ops.logprobs(_rows(logits, wanted).contiguous(), chosen[index], top_n)
     else:
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [W, V] float32
         chosen_lp = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0]
-        values, ids = logprobs.topk(top_n, dim=-1) if top_n > 0 else (logprobs[:, :0], index[:, None][:, :0])
+        values, ids = logprobs[:, :0], torch.empty(len(wanted), 0, dtype=torch.int64)
+        if top_n > 0:
+            values, ids = logprobs.topk(top_n, dim=-1)
     chosen_values, top_lp, top_ids = chosen_lp.tolist(), values.tolist(), ids.tolist()
     out: list[TokenLogprobs | None] = [None] * len(params)
     for j, i in enumerate(wanted):

@@ -77,6 +77,11 @@ class CpuFusedOps:
         if cols is not None:
             require(tensor.shape[1] == cols, name, tensor, f"{cols} columns")
 
+    def _require_logits(self, x: torch.Tensor) -> None:
+        """Logits read in place: contiguous rows of this build's dtype, at least one column."""
+        self._require_matrix(x, "x")
+        require(x.shape[1] > 0 and x.is_contiguous(), "x", x, "contiguous rows of at least one column")
+
     def _require_norm(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         self._require_matrix(x, "x")
         _require_tensor(weight, "weight", dims=1)
@@ -130,8 +135,7 @@ class CpuFusedOps:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:  # [R, C] → [R] int64
         """Each row's first largest element, as torch's `x.max(dim=-1).indices` (a NaN counts as
         the largest value, -0 equals +0)."""
-        self._require_matrix(x, "x")
-        require(x.shape[1] > 0 and x.is_contiguous(), "x", x, "contiguous rows of at least one column")
+        self._require_logits(x)
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._lib.duoserve_argmax_rows(
             x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
@@ -145,8 +149,7 @@ class CpuFusedOps:
         token, and its `n` best tokens' (best first, ties in token-id order) with their ids, without
         writing the row's log-probabilities out. `x`: [R, C] contiguous logits of this build's
         dtype; 0 <= n <= C."""
-        self._require_matrix(x, "x")
-        require(x.shape[1] > 0 and x.is_contiguous(), "x", x, "contiguous rows of at least one column")
+        self._require_logits(x)
         _require_tensor(chosen, "chosen", dims=1, dtypes=(torch.int64,))
         require(chosen.shape[0] == x.shape[0], "chosen", chosen, f"{x.shape[0]} entries")
         if not 0 <= n <= x.shape[1]:

@@ -457,6 +457,12 @@ static float row_max(const float *s, int64_t cols)
     return best;
 }
 
+/* Where block b of a row of `cols` ends: DRAW_BLOCK tokens on, or at the row's end. */
+static inline int64_t block_end(int64_t b, int64_t cols)
+{
+    return (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+}
+
 /* The first of the row's largest entries. */
 static int64_t first_best(const float *x, int64_t cols)
 {
@@ -635,7 +641,7 @@ static int64_t row_draw(const float *s, int64_t cols, float temperature, int64_t
     const int64_t blocks = (cols + DRAW_BLOCK - 1) / DRAW_BLOCK;
     double kept_total = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        const int64_t end = block_end(b, cols);
         double sum = 0.0;
         for (int64_t c = b * DRAW_BLOCK; c < end; c++) sum += s[c] >= cut && w[c] >= min_p ? w[c] : 0.0f;
         scratch->block_mass[b] = sum;
@@ -647,7 +653,7 @@ static int64_t row_draw(const float *s, int64_t cols, float temperature, int64_t
     for (; b < blocks && before + scratch->block_mass[b] <= target; b++) before += scratch->block_mass[b];
     int64_t last_kept = -1;
     if (b < blocks) {
-        const int64_t end = (b + 1) * DRAW_BLOCK < cols ? (b + 1) * DRAW_BLOCK : cols;
+        const int64_t end = block_end(b, cols);
         for (int64_t c = b * DRAW_BLOCK; c < end; c++) {
             if (!(s[c] >= cut && w[c] >= min_p && w[c] > 0.0f)) continue;
             last_kept = c;
