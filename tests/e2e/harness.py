@@ -158,3 +158,18 @@ def metrics(server: ServerProcess) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+USED_BLOCKS = 'duoserve_kv_cache_blocks{state="used"}'
+
+
+def drained_metrics(server: ServerProcess, timeout: float = 10.0) -> dict[str, float]:
+    """The metrics once no KV block is in use, or at `timeout`. A request's last token can reach
+    its client while a lookahead step that holds its blocks is still on the worker; the blocks
+    come back with that step's result. A leak stays in use past the timeout."""
+    deadline = time.monotonic() + timeout
+    values = metrics(server)
+    while values[USED_BLOCKS] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        values = metrics(server)
+    return values

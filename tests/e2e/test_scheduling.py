@@ -12,7 +12,15 @@ import pytest
 
 from duoserve_client import AsyncClient, Client
 from duoserve_client.errors import DeadlineExceededError, DuoserveError, ResourceExhaustedError
-from tests.e2e.harness import PROMPTS, ServerProcess, chat, metrics, start_server
+from tests.e2e.harness import (
+    PROMPTS,
+    USED_BLOCKS,
+    ServerProcess,
+    chat,
+    drained_metrics,
+    metrics,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +51,8 @@ def test_dbo_lanes_and_prefix_cache_leave_greedy_outputs_unchanged(
     server = start_server("--dtype", "float32", "--metrics-port", "0", *flags)
     try:
         assert run_all_at_once(server) == [reference[p] for p in PROMPTS]
-        values = metrics(server)
-        assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+        values = drained_metrics(server)
+        assert values[USED_BLOCKS] == 0
         if "--no-prefix-cache" in flags:
             assert values["duoserve_prefix_cache_hit_ratio"] == 0
             assert values['duoserve_kv_cache_blocks{state="cached"}'] == 0
@@ -140,7 +148,7 @@ def test_an_interactive_prompt_runs_inside_the_batch_in_progress(smollm_server: 
     # ones it gets on an idle server.
     assert metrics(smollm_server)["duoserve_urgent_steps_total"] > urgent_before
     assert loaded.token_ids == alone.token_ids
-    assert metrics(smollm_server)['duoserve_kv_cache_blocks{state="used"}'] == 0
+    assert drained_metrics(smollm_server)[USED_BLOCKS] == 0
 
 
 def test_overload_is_refused_at_once_and_the_admitted_load_completes(
@@ -191,7 +199,7 @@ def test_a_burst_of_thousands_of_streams_is_served_or_refused_by_the_admission(
     outcomes = asyncio.run(burst())
     assert set(outcomes) <= {"served", "refused"}, sorted(set(outcomes))
     assert outcomes.count("served") >= 8
-    assert metrics(two_slot_server)['duoserve_kv_cache_blocks{state="used"}'] == 0
+    assert drained_metrics(two_slot_server)[USED_BLOCKS] == 0
 
 
 def test_queued_prompt_tokens_beyond_the_limit_are_refused(two_slot_server: ServerProcess) -> None:

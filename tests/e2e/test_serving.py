@@ -15,7 +15,16 @@ from duoserve_client import Client
 from duoserve_client._proto import inference_pb2, inference_pb2_grpc
 from duoserve_client.errors import DeadlineExceededError
 from gpu_worker.host_memory import glibc_version, huge_page_environment, transparent_huge_pages
-from tests.e2e.harness import MAX_TOKENS, PROMPTS, ServerProcess, chat, metrics, start_server
+from tests.e2e.harness import (
+    MAX_TOKENS,
+    PROMPTS,
+    USED_BLOCKS,
+    ServerProcess,
+    chat,
+    drained_metrics,
+    metrics,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -120,15 +129,10 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_returned(smollm_server
         assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
 
 
-def assert_pool_drains(server: ServerProcess, timeout: float = 10.0) -> None:
-    """Within `timeout`, no KV block is in use and nothing is running."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = metrics(server)
-        if values['duoserve_kv_cache_blocks{state="used"}'] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+def assert_pool_drains(server: ServerProcess) -> None:
+    """Within drained_metrics' timeout, no KV block is in use and nothing is running."""
+    values = drained_metrics(server)
+    assert values[USED_BLOCKS] == 0
     assert values['duoserve_queue_size{queue="running"}'] == 0
 
 
@@ -217,9 +221,9 @@ def test_small_kv_pool_preempts_but_every_result_is_unchanged() -> None:
             assert (completion.text, completion.token_ids) == (alone[prompt].text, alone[prompt].token_ids), (
                 prompt
             )
-        values = metrics(server)
+        values = drained_metrics(server)
         assert values["duoserve_preemptions_total"] > 0
-        assert values['duoserve_kv_cache_blocks{state="used"}'] == 0
+        assert values[USED_BLOCKS] == 0
         # Every block is back: free, or holding a prefix the cache keeps for the next request.
         assert (
             values['duoserve_kv_cache_blocks{state="free"}']
