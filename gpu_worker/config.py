@@ -47,6 +47,7 @@ class WorkerConfig:
     dense_weights: str = "auto"
     cpu_vector_bits: int = 512
     huge_pages: bool = True
+    omp_spin_count: int = 1000  # gpu_worker/thread_waits.py
     seed: int = 0
     zmq_curve_worker_secret: str = ""
     zmq_curve_server_key: str = ""
@@ -104,6 +105,12 @@ class WorkerConfig:
             "1 to 1024",
         )
         _check(self.worker_id >= 0, "--worker-id", self.worker_id, ">= 0")
+        _check(
+            0 <= self.omp_spin_count <= 2**31 - 1,
+            "--omp-spin-count",
+            self.omp_spin_count,
+            "0 to 2147483647 (0 = sleep at once)",
+        )
         _check(
             self.cpu_vector_bits in (512, 256, 0), "--cpu-vector-bits", self.cpu_vector_bits, "512, 256 or 0"
         )

@@ -40,6 +40,7 @@ from gpu_worker.startup import (
     warm_up,
 )
 from gpu_worker.streams import CudaStreams
+from gpu_worker.thread_waits import thread_waits_in_effect
 from kernels._launch import dtype_name
 from protos import worker_pb2
 from scheduler import curve, tracing
@@ -112,6 +113,7 @@ def run_worker(config: WorkerConfig) -> int:
     setproctitle.setproctitle(f"duoserve: worker {config.worker_id}")
     keep_freed_memory()
     log.info("host memory: %s", huge_pages_in_effect())
+    log.info("idle OpenMP threads: %s", thread_waits_in_effect())
     tracing.setup(
         tracing.WORKER_SERVICE, config.otlp_endpoint, config.otlp_protocol, config.trace_sample_ratio
     )

@@ -226,6 +226,15 @@ WORKER_FLAGS = (
         "worker starts itself again with glibc.malloc.hugetlb=1 unless GLIBC_TUNABLES sets it (fewer "
         "TLB misses where a CPU step streams the weights and the KV cache)",
     ),
+    Flag(
+        "--omp-spin-count",
+        int,
+        1000,
+        "CPU: how many times an idle OpenMP thread checks for work before it sleeps (GOMP_SPINCOUNT; "
+        "0 = sleep at once). The OpenMP runtime's own 300000 keeps a thread spinning through its "
+        "time slice while its partner waits for a core another process took, at every barrier of a "
+        "step. GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment stand",
+    ),
 )
 WORKER_ONLY_FLAGS = (
     Flag("--zmq-curve-worker-secret", str, "", "CURVE: this worker's secret key file"),
@@ -355,10 +364,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             config = worker_config(args)
         except WorkerConfigError as err:
             parser.error(str(err))
-        if config.huge_pages and argv is None:  # this process's own command line: it starts again
-            from gpu_worker.host_memory import restart_with_huge_pages
+        if argv is None:  # this process's own command line: torch is not loaded yet
+            from gpu_worker.thread_waits import set_spin_count
 
-            restart_with_huge_pages()
+            set_spin_count(config.omp_spin_count)
+            if config.huge_pages:  # it starts again, in this environment
+                from gpu_worker.host_memory import restart_with_huge_pages
+
+                restart_with_huge_pages()
         from gpu_worker.worker import run_worker
 
         sys.exit(run_worker(config))

@@ -130,6 +130,7 @@ def test_worker_config_checks_its_flags() -> None:
         ("--sbo-switch-interval-ms", "101"),
         ("--cpu-vector-bits", "128"),
         ("--dense-weights", "some"),
+        ("--omp-spin-count", "-1"),
     ):
         with pytest.raises(ValueError, match=flag):
             worker_config(parse([*base, flag, value]))
@@ -145,6 +146,8 @@ def test_worker_config_checks_its_flags() -> None:
     assert worker_config(parse([*base, "--sbo-switch-interval-ms", "5"])).sbo_switch_interval_ms == 5.0
     assert config.cpu_vector_bits == 512
     assert worker_config(parse([*base, "--cpu-vector-bits", "256"])).cpu_vector_bits == 256
+    assert config.omp_spin_count == 1000
+    assert worker_config(parse([*base, "--omp-spin-count", "0"])).omp_spin_count == 0
     assert config.dense_weights == "auto"
     assert worker_config(parse([*base, "--dense-weights", "drop"])).dense_weights == "drop"
     with pytest.raises(ValueError, match=r"--dense-weights.*--no-block-linear"):
@@ -171,6 +174,8 @@ def test_serve_passes_every_flag_through_to_its_children() -> None:
             "0",
             "--dense-weights",
             "keep",
+            "--omp-spin-count",
+            "250",
         ]
     )
     scheduler = scheduler_config(args)
@@ -214,29 +219,33 @@ def test_the_readme_names_every_flag_of_serve() -> None:
     assert missing == [], f"README.md does not name {missing}"
 
 
-def test_only_a_worker_started_from_its_own_command_line_restarts_for_huge_pages(
+def test_only_a_worker_started_from_its_own_command_line_sets_its_spin_count_and_restarts_for_huge_pages(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import gpu_worker.host_memory
+    import gpu_worker.thread_waits
     import gpu_worker.worker
 
     restarts: list[None] = []
+    spin_counts: list[int] = []
     monkeypatch.setattr(gpu_worker.host_memory, "restart_with_huge_pages", lambda: restarts.append(None))
+    monkeypatch.setattr(gpu_worker.thread_waits, "set_spin_count", spin_counts.append)
     monkeypatch.setattr(gpu_worker.worker, "run_worker", lambda config: 0)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     worker = ["worker", "--model", str(model), "--scheduler-address", "ipc:///tmp/duoserve-cli-test.sock"]
     # Called with an argv of its own (as a test or an embedding program would): restarting would run
-    # this process's own command line, not that argv.
+    # this process's own command line, not that argv, and torch may be loaded already.
     with pytest.raises(SystemExit) as exit_code:
         main(worker)
-    assert (exit_code.value.code, restarts) == (0, [])
-    # Its own command line: the worker starts again with huge pages (unless --no-huge-pages).
+    assert (exit_code.value.code, restarts, spin_counts) == (0, [], [])
+    # Its own command line: the worker starts again with huge pages (unless --no-huge-pages), in an
+    # environment that gives the OpenMP runtime its spin count.
     monkeypatch.setattr("sys.argv", ["duoserve", *worker])
     with pytest.raises(SystemExit):
         main()
-    assert restarts == [None]
-    monkeypatch.setattr("sys.argv", ["duoserve", *worker, "--no-huge-pages"])
+    assert (restarts, spin_counts) == ([None], [1000])
+    monkeypatch.setattr("sys.argv", ["duoserve", *worker, "--no-huge-pages", "--omp-spin-count", "0"])
     with pytest.raises(SystemExit):
         main()
-    assert restarts == [None]
+    assert (restarts, spin_counts) == ([None], [1000, 0])
