@@ -10,8 +10,9 @@ served bfloat16 decode step took 357-971 ms for one sequence (6.4-7.4 ms idle) a
 64 (50-56 ms idle); spinning 1,000 times, 19-20 ms and 106-107 ms, within the twice that losing a
 core costs (`bench/contention.py`, bench/results/issue4-zen4-session51.md). On an otherwise idle
 machine the shorter spin lets a thread sleep in some gaps between regions, which costs a little:
-served 64x256x128 ran at 0.96-1.00x the long spin's throughput, a single stream at 0.89-0.97x. A host that runs nothing beside the worker can set
-GOMP_SPINCOUNT=300000 (or `--omp-spin-count 300000`).
+served 64x256x128 ran at 0.96-1.00x the long spin's throughput, a single stream at 0.89-0.97x. A
+host that runs nothing beside the worker can set GOMP_SPINCOUNT=300000 (or `--omp-spin-count
+300000`).
 
 libgomp reads these variables once, when it is loaded, so the worker sets them before it imports
 torch. GOMP_SPINCOUNT or OMP_WAIT_POLICY already in the environment are the user's choice, and
